@@ -1,0 +1,14 @@
+"""Shared test settings: deterministic seeds and one intra-op thread (the CI machine has 2 cores)."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_seed():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_configure(config):
+    torch.set_num_threads(1)
