@@ -1,0 +1,211 @@
+"""Gefen's optimizer step on one large fp32 tensor versus torch's AdamW (CPU).
+
+Prints one table: time per step (median after warm-up), the ratio to AdamW's
+default step and to ``AdamW(fused=True)``, and the peak extra memory
+during the step, for
+
+* torch AdamW, default (on CPU: the single-tensor loop) and ``fused=True``;
+* Gefen's fused C kernel, 8-bit and 4-bit codes and fp32 momentum;
+* Gefen's chunked PyTorch fallback (8-bit), and the reference step (8-bit).
+
+Peak extra memory is the growth of the process's peak resident set during one step:
+``echo 5 > /proc/self/clear_refs`` resets VmHWM to the current RSS, the step runs,
+and VmHWM - VmRSS(before) is what the step's temporaries touched (Linux only;
+``malloc_trim`` first returns freed heap pages, so reused ones count too; the
+state already exists, so it is not counted). It is also given as a fraction of the
+parameter's bytes.
+
+Then the first-call cost of the kernel: building it into an empty cache (compile),
+and loading it from a warm cache (hash + dlopen).
+
+Usage::
+
+    python benchmarks/gefen_step.py                 # 25M elements, 2 threads
+    python benchmarks/gefen_step.py --numel 4000000 --threads 1 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from leantrain.optim import _fused, _native
+from leantrain.optim._state import new_state
+from leantrain.optim._step import reference_step
+from leantrain.optim._torch_step import torch_step
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _release_free_memory() -> None:
+    # Freed heap pages stay resident and would hide a step's temporaries when
+    # reused; glibc's malloc_trim gives them back first.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_extra_bytes(fn) -> int | None:
+    """Bytes of resident memory a call adds at its peak (None off Linux)."""
+    _release_free_memory()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_kib("VmRSS:")
+    except OSError:
+        fn()
+        return None
+    fn()
+    return max(0, _status_kib("VmHWM:") - before) * 1024
+
+
+def timed(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def learned_like_codebook(bits: int) -> torch.Tensor:
+    """Sorted, denser near 0, ends pinned to -1 and +1 (like a learned codebook)."""
+    t = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+    return (t.sign() * t.abs() ** 1.7).float()
+
+
+def gefen_case(numel: int, period: int, bits: int | None, step_fn):
+    param = torch.randn(numel)
+    grad = torch.randn(numel)
+    cb = learned_like_codebook(bits) if bits else None
+    state = new_state(param, period, bits, cb)
+
+    def step():
+        step_fn(param, grad, state, **HYPER, maximize=False)
+
+    return step
+
+
+def torch_fallback(param, grad, state, **hyper):
+    """The PyTorch fallback, forced even where the kernel could run."""
+    state["step"] += 1
+    h = _fused.hyperparameters(float(state["step"]), **hyper)
+    torch_step(param, grad, state, h)
+
+
+def adamw_case(numel: int, fused: bool):
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel)
+    opt = torch.optim.AdamW(
+        [param],
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        fused=fused or None,  # None: torch's CPU default (single-tensor loop)
+    )
+    opt.step()  # creates the state
+    return opt.step
+
+
+def first_call_times() -> tuple[float, float]:
+    """(build into an empty cache, load from the warm cache), in seconds."""
+    saved = os.environ.get("LEANTRAIN_CACHE")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["LEANTRAIN_CACHE"] = tmp
+        try:
+            times = []
+            for _ in range(2):
+                _native._tried, _native._library = False, None
+                start = time.perf_counter()
+                assert _native.load() is not None, _native.status()
+                times.append(time.perf_counter() - start)
+        finally:
+            if saved is None:
+                del os.environ["LEANTRAIN_CACHE"]
+            else:
+                os.environ["LEANTRAIN_CACHE"] = saved
+            _native._tried, _native._library = False, None
+            _native.load()
+    return times[0], times[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--period", type=int, default=5000, help="block length p")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--reference-repeats", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    n, p = args.numel, args.period
+    print(
+        f"one fp32 tensor of {n:,} elements, period {p}, {args.threads} threads, "
+        f"torch {torch.__version__}, Gefen backend: {_fused.backend()} "
+        f"({_native.status()})"
+    )
+    cases = [
+        ("torch AdamW (default)", lambda: adamw_case(n, False), args.repeats),
+        ("torch AdamW (fused=True)", lambda: adamw_case(n, True), args.repeats),
+        ("Gefen fused C, 8-bit", lambda: gefen_case(n, p, 8, _fused.fused_step), 0),
+        ("Gefen fused C, 4-bit", lambda: gefen_case(n, p, 4, _fused.fused_step), 0),
+        ("Gefen fused C, fp32 m", lambda: gefen_case(n, p, None, _fused.fused_step), 0),
+        ("Gefen torch fallback, 8-bit", lambda: gefen_case(n, p, 8, torch_fallback), 0),
+        (
+            "Gefen reference_step, 8-bit",
+            lambda: gefen_case(n, p, 8, reference_step),
+            args.reference_repeats,
+        ),
+    ]
+    rows = []
+    for name, make, repeats in cases:
+        step = make()
+        seconds = timed(step, repeats or args.repeats)
+        extra = peak_extra_bytes(step)
+        rows.append((name, seconds, extra))
+        del step
+    base, fused = rows[0][1], rows[1][1]
+    param_bytes = 4 * n
+    header = (
+        f"{'step':32s} {'ms/step':>9s} {'/AdamW':>7s} {'/fused':>7s} "
+        f"{'peak extra MiB':>15s} {'x param':>8s}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, seconds, extra in rows:
+        mib = "n/a" if extra is None else f"{extra / 2**20:.1f}"
+        frac = "n/a" if extra is None else f"{extra / param_bytes:.3f}"
+        print(
+            f"{name:32s} {seconds * 1e3:9.1f} {seconds / base:7.2f} "
+            f"{seconds / fused:7.2f} {mib:>15s} {frac:>8s}"
+        )
+    cold, warm = first_call_times()
+    print(
+        f"kernel first use: build into an empty cache {cold:.2f} s, "
+        f"load from the warm cache {warm * 1e3:.1f} ms"
+    )
+    bytes_gefen = n + 4 * math.ceil(n / p) * 2
+    print(f"state bytes: AdamW {8 * n:,}; Gefen 8-bit {bytes_gefen:,}")
+
+
+if __name__ == "__main__":
+    main()

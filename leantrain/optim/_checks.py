@@ -1,0 +1,128 @@
+"""Validation of Gefen's arguments, parameters and gradients.
+
+Every check raises ``ValueError`` or ``TypeError`` with the offending value and what
+is allowed, in torch.optim's wording where torch has one ("Invalid beta parameter
+at index 0: 1.0"), so a user switching from AdamW reads familiar messages.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor
+
+MOMENTUM_BITS = (8, 4, None)
+PARTITION_NAMES = ("auto", "element", "tensor")
+NONFINITE_MODES = ("skip", "raise")
+
+
+def _as_float(value: object, what: str) -> float:
+    """Returns ``value`` as a float; a 1-element tensor is accepted like torch does."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {what} must be 1-element, got shape {value.shape}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {value!r}")
+    return float(value)
+
+
+def check_hyperparameters(
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """Checks AdamW's hyper-parameters with AdamW's rules and messages.
+
+    Raises:
+        ValueError: lr, eps or weight_decay negative (or NaN), a beta outside [0, 1),
+            or betas not a pair.
+        TypeError: a value that is not a real number.
+    """
+    if not 0.0 <= _as_float(lr, "lr"):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= _as_float(eps, "eps"):
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= _as_float(beta, f"betas[{index}]") < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+    if not 0.0 <= _as_float(weight_decay, "weight_decay"):
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_momentum_bits(bits: object) -> None:
+    """Checks ``momentum_bits`` is 8, 4 or None."""
+    if bits is None:
+        return
+    if isinstance(bits, bool) or bits not in (8, 4):
+        raise ValueError(f"Invalid momentum_bits: {bits!r}; allowed: 8, 4 or None")
+
+
+def check_partition(partition: object) -> None:
+    """Checks ``partition`` is "auto", "element", "tensor" or a positive int."""
+    if isinstance(partition, str):
+        if partition not in PARTITION_NAMES:
+            raise ValueError(
+                f"Invalid partition: {partition!r}; allowed: 'auto', 'element', "
+                "'tensor' or a positive int block length"
+            )
+        return
+    if isinstance(partition, bool) or not isinstance(partition, numbers.Integral):
+        raise ValueError(
+            f"Invalid partition: {partition!r}; allowed: 'auto', 'element', "
+            "'tensor' or a positive int block length"
+        )
+    if partition < 1:
+        raise ValueError(f"Invalid partition block length: {partition}; must be >= 1")
+
+
+def check_nonfinite(mode: object) -> None:
+    """Checks the non-finite gradient policy is "skip" or "raise"."""
+    if mode not in NONFINITE_MODES:
+        raise ValueError(f"Invalid nonfinite: {mode!r}; allowed: 'skip' or 'raise'")
+
+
+def check_group(group: dict) -> None:
+    """Checks every Gefen option of one param group (after defaults are filled)."""
+    check_hyperparameters(
+        group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    )
+    check_momentum_bits(group["momentum_bits"])
+    check_partition(group["partition"])
+    if not isinstance(group["maximize"], bool):
+        raise TypeError(f"maximize must be a bool, got {group['maximize']!r}")
+
+
+def check_param(param: Tensor, label: str) -> None:
+    """Rejects parameters Gefen cannot train (complex or non-floating dtypes)."""
+    if param.is_complex():
+        raise TypeError(
+            f"Gefen does not support complex parameters ({label}, dtype {param.dtype}); "
+            "pass torch.view_as_real(param) as a real parameter instead"
+        )
+    if not param.is_floating_point():
+        raise TypeError(
+            f"Gefen needs floating-point parameters; {label} has dtype {param.dtype}"
+        )
+
+
+def check_grad(grad: Tensor, label: str) -> None:
+    """Rejects sparse and complex gradients."""
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise TypeError(
+            f"Gefen does not support sparse gradients ({label}, layout {grad.layout}); "
+            "use dense gradients (e.g. nn.Embedding(sparse=False))"
+        )
+    if grad.is_complex():
+        raise TypeError(
+            f"Gefen does not support complex gradients ({label}, dtype {grad.dtype})"
+        )
+
+
+def is_finite(grad: Tensor) -> bool:
+    """True when every element of ``grad`` is finite (no NaN, no +-inf)."""
+    return bool(torch.isfinite(grad).all())

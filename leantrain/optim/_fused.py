@@ -1,0 +1,258 @@
+r"""Gefen's fast step: the fused C kernel on CPU, a chunked PyTorch path elsewhere.
+
+:func:`fused_step` takes exactly the arguments of ``_step.reference_step`` and
+computes the same update (docs/CONTRACTS.md, "Gefen state"), with temporaries
+bounded by a chunk, never by the parameter:
+
+* **"c"** — fp32 parameter and gradient on the CPU, contiguous, with
+  qblock == period (or period 1): one call into ``_kernels/gefen_step.c``, threads
+  over blocks, one pass over g and the codes per block (see the C file's header).
+* **"torch"** — everything else (other dtypes, CUDA, no compiler,
+  ``LEANTRAIN_NO_NATIVE=1``): the same math in plain tensor ops over chunks of
+  whole blocks (two passes over sub-chunks for a block longer than a chunk). On
+  CUDA the chunk function is ``torch.compile``'d.
+
+Both paths quantize with the same rule, the reference's (``quant.NearestCode``):
+with distinct codebook values :math:`u_0 < \dots < u_{U-1}` and exact midpoints
+:math:`\mu_j = (u_j + u_{j+1})/2`, the value index is
+:math:`k = \#\{j: \mu_j < x\}` (a tie goes to the lower value) and the code is
+the lowest code holding :math:`u_k` (see ``_quant_table``). Given the same momentum
+the two paths store identical codes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+from torch import Tensor
+
+from . import _native
+from ._quant_table import QuantTable, quant_table
+from ._torch_step import state_layout, torch_step
+
+# Sub-chunk of the C kernel (None: its largest, 8192 elements); tests lower it to
+# exercise the kernel's recompute path on small blocks.
+C_CHUNK: int | None = None
+# Below this many elements the kernel runs on one thread (a parallel region costs
+# more than it saves).
+_THREAD_MIN = 1 << 16
+
+
+def backend() -> str:
+    """The CPU backend in use: "c" (native kernel) or "torch" (fallback).
+
+    ``_native.status()`` says why the kernel is not in use.
+    """
+    return "c" if _native.load() is not None else "torch"
+
+
+class _Hyper(ctypes.Structure):
+    # Same order and types as lt_hyper in gefen_step.c.
+    _fields_ = [
+        (name, ctypes.c_float)
+        for name in (
+            "w1",
+            "beta2",
+            "omb2",
+            "decay",
+            "step_size",
+            "sqrt_bc2",
+            "eps",
+            "sign",
+        )
+    ]
+
+
+class _Quantizer(ctypes.Structure):
+    # Same order and types as lt_quantizer in gefen_step.c.
+    _fields_ = [
+        ("codebook", ctypes.c_void_p),
+        ("uniq", ctypes.c_void_p),
+        ("mid", ctypes.c_void_p),
+        ("first", ctypes.c_void_p),
+        ("lut", ctypes.c_void_p),
+        ("ncodes", ctypes.c_int32),
+        ("nuniq", ctypes.c_int32),
+        ("ncell", ctypes.c_int32),
+    ]
+
+
+def _c_eligible(param: Tensor, grad: Tensor, state: dict) -> bool:
+    tensors = [param, grad, state["exp_avg_sq"]]
+    if "codebook" in state:
+        tensors += [state["exp_avg_codes"], state["exp_avg_absmax"]]
+        tensors += [state["codebook"]]
+    else:
+        tensors += [state["exp_avg"]]
+    return (
+        param.dtype == grad.dtype == torch.float32
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and not grad.is_sparse
+        and _native.load() is not None
+    )
+
+
+def c_step(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    hyper: dict[str, float],
+    *,
+    chunk: int | None = None,
+    threads: int | None = None,
+) -> None:
+    """Runs the C kernel on one parameter (``state['step']`` already advanced).
+
+    Raises:
+        ValueError: a tensor of the wrong dtype, device, layout or size (checked
+            here, before any pointer reaches C), or an argument the kernel rejects.
+        RuntimeError: the native library is not available.
+    """
+    lib = _native.load()
+    if lib is None:
+        raise RuntimeError(f"native Gefen kernel unavailable: {_native.status()}")
+    period, block, bits = state_layout(param, state)
+    n = param.numel()
+    if grad.numel() != n:
+        raise ValueError(f"grad has {grad.numel()} elements, param {n}")
+    named = {"param": param, "grad": grad, "exp_avg_sq": state["exp_avg_sq"]}
+    if bits:
+        for key in ("exp_avg_absmax", "codebook"):
+            named[key] = state[key]
+    else:
+        named["exp_avg"] = state["exp_avg"]
+    for key, t in named.items():
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(
+                f"{key}: the C kernel needs a contiguous fp32 CPU tensor, got "
+                f"{t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
+            )
+    codes = state.get("exp_avg_codes")
+    if codes is not None and not (
+        codes.dtype == torch.uint8
+        and codes.device.type == "cpu"
+        and codes.is_contiguous()
+    ):
+        raise ValueError(
+            f"exp_avg_codes: the C kernel needs contiguous uint8 CPU codes, got "
+            f"{codes.dtype} on {codes.device}"
+        )
+    if lib.lt_sizeof_quantizer() != ctypes.sizeof(_Quantizer) or (
+        lib.lt_sizeof_hyper() != ctypes.sizeof(_Hyper)
+    ):
+        raise RuntimeError("the native kernel's struct layouts differ from _fused's")
+    max_chunk = lib.lt_max_chunk()
+    chunk = chunk or C_CHUNK or max_chunk
+    if not 1 <= chunk <= max_chunk:
+        raise ValueError(f"chunk {chunk}; allowed: 1 <= chunk <= {max_chunk}")
+    table: QuantTable | None = quant_table(state["codebook"]) if bits else None
+    quantizer = None
+    if table is not None:
+        quantizer = _Quantizer(
+            table.codebook.data_ptr(),
+            table.uniq.data_ptr(),
+            table.mid.data_ptr(),
+            table.first.data_ptr(),
+            table.lut.data_ptr(),
+            table.codebook.numel(),
+            table.uniq.numel(),
+            table.lut.numel(),
+        )
+    threads = threads or (torch.get_num_threads() if n >= _THREAD_MIN else 1)
+    rc = lib.lt_gefen_step(
+        param.data_ptr(),
+        grad.data_ptr(),
+        state["exp_avg_sq"].data_ptr(),
+        state["exp_avg_absmax"].data_ptr() if bits else None,
+        codes.data_ptr() if bits else None,
+        None if bits else state["exp_avg"].data_ptr(),
+        n,
+        period,
+        block,
+        bits,
+        ctypes.byref(quantizer) if quantizer is not None else None,
+        ctypes.byref(_Hyper(**hyper)),
+        chunk,
+        threads,
+    )
+    if rc != 0:
+        raise ValueError(f"the C kernel rejected its arguments (code {rc})")
+
+
+def hyperparameters(
+    step: float,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> dict[str, float]:
+    """The per-step scalars, in double here, rounded to fp32 once where used."""
+    return {
+        "w1": 1 - beta1,
+        "beta2": beta2,
+        "omb2": 1 - beta2,
+        "decay": 1 - lr * weight_decay,
+        "step_size": lr / (1 - beta1**step),
+        "sqrt_bc2": math.sqrt(1 - beta2**step),
+        "eps": eps,
+        "sign": -1.0 if maximize else 1.0,
+    }
+
+
+@torch.no_grad()
+def fused_step(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+) -> None:
+    """Applies one Gefen step to ``param`` in place; same contract as
+    ``_step.reference_step`` (same arguments, same state, same result to fp32
+    rounding), on the fastest path available for these tensors.
+
+    Raises:
+        ValueError: grad and param differ in size, or the state's tensors do not fit
+            the parameter (sizes, a period outside [1, numel], a codebook that is not
+            16 or 256 sorted codes).
+
+    Example:
+        >>> import torch
+        >>> from leantrain.optim._state import new_state
+        >>> p, g = torch.ones(6), torch.full((6,), 0.5)
+        >>> state = new_state(p, period=3, bits=None, codebook=None)
+        >>> fused_step(p, g, state, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+        ...            weight_decay=0.0, maximize=False)
+        >>> torch.allclose(p, torch.full((6,), 0.9))
+        True
+    """
+    n = param.numel()
+    if grad.numel() != n:
+        raise ValueError(f"grad has {grad.numel()} elements, param {n}")
+    if n == 0:
+        return
+    state_layout(param, state)  # raises before anything changes
+    state["step"] += 1
+    hyper = hyperparameters(
+        float(state["step"]),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximize,
+    )
+    if _c_eligible(param, grad, state):
+        c_step(param, grad, state, hyper)
+    else:
+        torch_step(param, grad, state, hyper)

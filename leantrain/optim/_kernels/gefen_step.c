@@ -1,0 +1,396 @@
+/*
+ * Gefen's fused CPU step for one fp32 parameter (leantrain, docs/CONTRACTS.md).
+ *
+ * Plain C99 + OpenMP, no torch headers: leantrain/optim/_native.py compiles this file
+ * on first use with `gcc -O3 -march=native -fopenmp -ffp-contract=off` and calls it
+ * through ctypes with the tensors' data pointers (validated in Python first; the
+ * checks here are a second line of defence against memory corruption).
+ *
+ * One step, per block of `block` contiguous elements (the last block shorter):
+ *   v      = beta2 * v + (1 - beta2) * mean_block(g * g)
+ *   param *= 1 - lr * weight_decay
+ *   m      = lerp(codebook[code] * absmax, g, 1 - beta1)
+ *   absmax = max_block |m|;  code = nearest_code(m / absmax)  (absmax 0 -> code of 0)
+ *   param -= (lr / bc1) * (codebook[code] * absmax) / (sqrt(v) / sqrt(bc2) + eps)
+ * With period 1 the second moment is per element (and `block` is the absmax block).
+ * With fp32 momentum (bits 0) m = lerp(m, g, 1 - beta1) is stored as is.
+ *
+ * Work per block: pass 1 reads g and the old codes once, keeps m in a per-thread
+ * buffer of `chunk` floats (L1/L2) and reduces sum(g^2) and max|m|; pass 2 quantizes
+ * the buffer, stores the codes and updates the parameter. A block longer than the
+ * buffer is done in sub-chunks, recomputing m in pass 2 (bit-identical: the same
+ * arithmetic), so temporaries never grow with the tensor. Threads take whole blocks
+ * (pairs of blocks when 4-bit codes of an odd block length would share a byte),
+ * scheduled dynamically.
+ *
+ * Table lookups (old code -> value, cell -> code) are scalar loops: on the CPUs we
+ * measured, AVX2 gathers cost more than eight scalar loads. Everything else is in
+ * loops the compiler vectorizes.
+ *
+ * Rounding follows the PyTorch reference op by op: g*g rounded to fp32 then summed
+ * (here in double, at least as accurate as torch's cascade sum), torch's fused
+ * multiply-add formulas for lerp and `add_(x, alpha)`, and addcdiv's
+ * `p + (value * m) / denom`. -ffp-contract=off stops the compiler from fusing any
+ * other multiply-add. sqrtf is correctly rounded where torch's vectorized sqrt may
+ * be 1 ulp off, so the two can differ by an ulp of the update.
+ *
+ * Nearest code: the distinct codebook values u_0 < ... < u_{U-1} have midpoints
+ * mid_j = (u_j + u_{j+1}) / 2, computed exactly and rounded down to fp32 (so x > mid_j
+ * is exact for fp32 x; mid_{U-1} = +inf, a sentinel); the value index is
+ * k(x) = #{j : mid_j < x} (a tie goes to the lower value) and the stored code is
+ * first[k], the lowest code holding u_k. The cell of a float y is
+ * floor((y + 1) * ncell / 2) in fp32, a monotone function of y, so every midpoint in
+ * a lower cell is below x and every one in a higher cell is above: lut[cell] holds
+ * the count of midpoints in lower cells, and where the cell itself holds midpoints
+ * its bitwise NOT, telling the loop to step over the cell's midpoints below x (one
+ * comparison when the grid is finer than the midpoint spacing; _quant_table.py
+ * picks ncell so it is for any learned codebook). Exact for any sorted codebook.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define LT_MAX_CHUNK 8192 /* longest sub-chunk (per-thread buffers ~13 B/element) */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define LT_SCALAR __attribute__((optimize("no-tree-vectorize")))
+#else
+#define LT_SCALAR
+#endif
+
+typedef struct {
+  const float *codebook; /* [ncodes] values, dequantization of the old codes */
+  const float *uniq;     /* [nuniq] distinct codebook values, ascending */
+  const float *mid;      /* [nuniq] midpoints, mid[nuniq-1] = +inf (sentinel) */
+  const uint8_t *first;  /* [nuniq] lowest code holding uniq[k] */
+  const int16_t *lut;    /* [ncell] midpoints in lower cells (~count: cell has some) */
+  int32_t ncodes;        /* 2**bits */
+  int32_t nuniq;
+  int32_t ncell;
+} lt_quantizer;
+
+typedef struct {
+  float w1;        /* 1 - beta1, the weight of g in the lerp */
+  float beta2;     /* beta2 */
+  float omb2;      /* 1 - beta2 */
+  float decay;     /* 1 - lr * weight_decay */
+  float step_size; /* lr / (1 - beta1**step) */
+  float sqrt_bc2;  /* sqrt(1 - beta2**step) */
+  float eps;       /* added to the corrected sqrt(v) */
+  float sign;      /* +1, or -1 when maximizing */
+} lt_hyper;
+
+typedef struct { /* per-thread buffers of `chunk` elements */
+  float *m;      /* momentum, then m / absmax */
+  float *val;    /* the quantized value of each element */
+  int32_t *cell; /* lookup cell of each element */
+  uint8_t *code; /* new codes */
+} lt_scratch;
+
+/* Old codes of [a, a + len) looked up in the codebook (scalar: see header). */
+LT_SCALAR static void lt_take_codebook(const float *restrict cb,
+                                       const uint8_t *restrict codes, int bits,
+                                       int64_t a, int64_t len, float *restrict out) {
+  if (bits == 8) {
+    const uint8_t *restrict c = codes + a;
+    for (int64_t k = 0; k < len; k++) out[k] = cb[c[k]];
+  } else {
+    for (int64_t k = 0; k < len; k++) {
+      int64_t i = a + k;
+      out[k] = cb[(codes[i >> 1] >> ((i & 1) << 2)) & 15];
+    }
+  }
+}
+
+/* m over [a, a + len) into m_out; returns sum(g^2) from 8 double sums (vectorizes).
+   lerp is torch's: fma(w, b - a, a) for w < 0.5, else fma(w - 1, b - a, b). */
+static double lt_momentum(const float *restrict grad, const uint8_t *restrict codes,
+                          const float *restrict mom, int bits,
+                          const float *restrict cb, float amax_old, const lt_hyper *h,
+                          int64_t a, int64_t len, float *restrict m_out) {
+  const float *restrict g = grad + a;
+  const float sign = h->sign;
+  const int small = h->w1 < 0.5f;
+  const float wc = small ? h->w1 : h->w1 - 1.0f;
+  if (bits) {
+    lt_take_codebook(cb, codes, bits, a, len, m_out);
+    for (int64_t k = 0; k < len; k++) {
+      float old = m_out[k] * amax_old, gk = g[k] * sign;
+      m_out[k] = fmaf(wc, gk - old, small ? old : gk);
+    }
+  } else {
+    const float *restrict m = mom + a;
+    for (int64_t k = 0; k < len; k++) {
+      float gk = g[k] * sign;
+      m_out[k] = fmaf(wc, gk - m[k], small ? m[k] : gk);
+    }
+  }
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= len; k += 8) {
+    for (int j = 0; j < 8; j++) acc[j] += (double)(g[k + j] * g[k + j]);
+  }
+  for (; k < len; k++) acc[0] += (double)(g[k] * g[k]);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* max |m| on the float bit patterns with the sign cleared: for non-negative floats
+   the integer order is the float order, the loop vectorizes (a float max with NaN
+   rules does not), and a NaN wins, as in torch's amax, so it propagates. */
+static float lt_absmax(const float *restrict m, int64_t len) {
+  uint32_t r = 0;
+  for (int64_t k = 0; k < len; k++) {
+    uint32_t bits;
+    memcpy(&bits, m + k, sizeof bits);
+    bits &= 0x7fffffffu;
+    r = bits > r ? bits : r;
+  }
+  float out;
+  memcpy(&out, &r, sizeof out);
+  return out;
+}
+
+/* x = m / amax (in place) and its lookup cell; NaN -> cell 0 (never out of range). */
+static void lt_cells(const lt_quantizer *q, float *restrict m, float amax, int64_t len,
+                     int32_t *restrict cell) {
+  const float half = 0.5f * (float)q->ncell, top = (float)(q->ncell - 1);
+  for (int64_t k = 0; k < len; k++) {
+    float x = m[k] / amax;
+    float t = (x + 1.0f) * half;
+    t = t >= 0.0f ? t : 0.0f;
+    t = t <= top ? t : top;
+    m[k] = x;
+    cell[k] = (int32_t)t;
+  }
+}
+
+/* Nearest value and code of each x (scalar: see header). */
+LT_SCALAR static void lt_lookup(const lt_quantizer *q, const float *restrict x,
+                                const int32_t *restrict cell, int64_t len,
+                                float *restrict val, uint8_t *restrict code) {
+  const int16_t *restrict lut = q->lut;
+  const float *restrict mid = q->mid, *restrict uniq = q->uniq;
+  const uint8_t *restrict first = q->first;
+  if (q->nuniq == q->ncodes) { /* distinct codes (the usual case): code == index */
+    for (int64_t k = 0; k < len; k++) {
+      int32_t j = lut[cell[k]];
+      if (j < 0) { /* the cell holds midpoints: count those below x */
+        j = ~j;
+        while (x[k] > mid[j]) j++; /* stops at the +inf sentinel (and on NaN) */
+      }
+      val[k] = uniq[j];
+      code[k] = (uint8_t)j;
+    }
+    return;
+  }
+  for (int64_t k = 0; k < len; k++) {
+    int32_t j = lut[cell[k]];
+    if (j < 0) {
+      j = ~j;
+      while (x[k] > mid[j]) j++;
+    }
+    val[k] = uniq[j];
+    code[k] = first[j];
+  }
+}
+
+/* 4-bit codebooks: the same rule by comparing with every midpoint (at most 15),
+   k = #{j : mid_j < x}, picking value and code with selects. Vectorizes, unlike a
+   table lookup. Midpoints past nuniq - 1 are +inf and never pass. */
+static void lt_lookup16(const lt_quantizer *q, const float *restrict m, float amax,
+                        int64_t len, float *restrict val, uint8_t *restrict code) {
+  float mid[15], uniq[16];
+  int32_t first[16];
+  for (int j = 0; j < 16; j++) {
+    if (j < 15) mid[j] = j < q->nuniq - 1 ? q->mid[j] : INFINITY;
+    uniq[j] = q->uniq[j < q->nuniq ? j : q->nuniq - 1];
+    first[j] = q->first[j < q->nuniq ? j : q->nuniq - 1];
+  }
+  for (int64_t k = 0; k < len; k++) {
+    const float x = m[k] / amax;
+    float v = uniq[0];
+    int32_t c = first[0];
+#pragma GCC unroll 16
+    for (int j = 0; j < 15; j++) {
+      const int above = x > mid[j];
+      v = above ? uniq[j + 1] : v;
+      c = above ? first[j + 1] : c;
+    }
+    val[k] = v;
+    code[k] = (uint8_t)c;
+  }
+}
+
+/* The index of the value nearest 0 (absmax 0 means m == 0 in the whole block). */
+static int32_t lt_zero_index(const lt_quantizer *q) {
+  int32_t j = 0;
+  while (0.0f > q->mid[j]) j++;
+  return j;
+}
+
+static void lt_store_codes(uint8_t *restrict codes, int bits, int64_t n, int64_t a,
+                           int64_t len, const uint8_t *restrict code) {
+  if (bits == 8) {
+    memcpy(codes + a, code, (size_t)len);
+    return;
+  }
+  int64_t k = 0;
+  if (a & 1) { /* odd start: our first code is the high nibble of a shared byte */
+    codes[a >> 1] = (uint8_t)((codes[a >> 1] & 0x0F) | (code[0] << 4));
+    k = 1;
+  }
+  uint8_t *restrict out = codes + ((a + k) >> 1);
+  const int64_t pairs = (len - k) >> 1;
+  for (int64_t j = 0; j < pairs; j++) {
+    out[j] = (uint8_t)(code[k + 2 * j] | (code[k + 2 * j + 1] << 4));
+  }
+  k += 2 * pairs;
+  if (k < len) { /* one code left, a low nibble; after the last element: zero */
+    const int last = a + k == n - 1;
+    out[pairs] = (uint8_t)(last ? code[k] : ((out[pairs] & 0xF0) | code[k]));
+  }
+}
+
+/* p = p * decay - (step_size * m) / denom over [a, a + len), m = scale * val. */
+static void lt_update(float *restrict param, const float *restrict val, float scale,
+                      const float *restrict vel, float denom_block, const lt_hyper *h,
+                      int64_t a, int64_t len) {
+  float *restrict p = param + a;
+  const float ss = h->step_size, decay = h->decay;
+  if (vel == 0) {
+    for (int64_t k = 0; k < len; k++) {
+      float w = p[k] * decay;
+      p[k] = w - (ss * (val[k] * scale)) / denom_block;
+    }
+  } else { /* period 1: one second moment per element */
+    const float *restrict v = vel + a;
+    for (int64_t k = 0; k < len; k++) {
+      float denom = sqrtf(v[k]) / h->sqrt_bc2 + h->eps;
+      float w = p[k] * decay;
+      p[k] = w - (ss * (val[k] * scale)) / denom;
+    }
+  }
+}
+
+/* One block [s, s + len): both passes. */
+static void lt_block(float *restrict param, const float *restrict grad, float *restrict v,
+                     float *restrict absmax, uint8_t *restrict codes,
+                     float *restrict exp_avg, int64_t n, int64_t b, int64_t s,
+                     int64_t len, int per_element_v, int bits, const lt_quantizer *q,
+                     const lt_hyper *h, int64_t chunk, int32_t zero, lt_scratch *w) {
+  const float *cb = bits ? q->codebook : 0;
+  const float amax_old = bits ? absmax[b] : 0.0f;
+  double sumsq = 0.0;
+  float amax = 0.0f;
+  for (int64_t a = 0; a < len; a += chunk) { /* pass 1 */
+    const int64_t l = len - a < chunk ? len - a : chunk;
+    sumsq += lt_momentum(grad, codes, exp_avg, bits, cb, amax_old, h, s + a, l, w->m);
+    if (bits) {
+      float mx = lt_absmax(w->m, l);
+      amax = mx > amax || mx != mx ? mx : amax;
+    }
+    if (per_element_v) {
+      const float *restrict g = grad + s + a;
+      float *restrict vv = v + s + a;
+      for (int64_t k = 0; k < l; k++) vv[k] = fmaf(h->omb2, g[k] * g[k], vv[k] * h->beta2);
+    }
+  }
+  float denom = 0.0f;
+  if (!per_element_v) {
+    const float mean = (float)(sumsq / (double)len);
+    const float vb = fmaf(h->omb2, mean, v[b] * h->beta2); /* torch's add_(x, alpha) */
+    v[b] = vb;
+    denom = sqrtf(vb) / h->sqrt_bc2 + h->eps;
+  }
+  if (bits) absmax[b] = amax;
+  const float *vel = per_element_v ? v : 0;
+  for (int64_t a = 0; a < len; a += chunk) { /* pass 2 */
+    const int64_t l = len - a < chunk ? len - a : chunk;
+    if (len > chunk) /* the buffer holds the last sub-chunk only: recompute */
+      lt_momentum(grad, codes, exp_avg, bits, cb, amax_old, h, s + a, l, w->m);
+    if (!bits) {
+      memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
+      lt_update(param, w->m, 1.0f, vel, denom, h, s + a, l);
+      continue;
+    }
+    if (amax > 0.0f && bits == 4) {
+      lt_lookup16(q, w->m, amax, l, w->val, w->code);
+    } else if (amax > 0.0f) {
+      lt_cells(q, w->m, amax, l, w->cell);
+      lt_lookup(q, w->m, w->cell, l, w->val, w->code);
+    } else {
+      for (int64_t k = 0; k < l; k++) {
+        w->val[k] = q->uniq[zero];
+        w->code[k] = q->first[zero];
+      }
+    }
+    lt_store_codes(codes, bits, n, s + a, l, w->code);
+    lt_update(param, w->val, amax, vel, denom, h, s + a, l);
+  }
+}
+
+/* Returns 0, or a negative number naming the invalid argument. */
+int lt_gefen_step(float *param, const float *grad, float *v, float *absmax, uint8_t *codes,
+                  float *exp_avg, int64_t n, int64_t period, int64_t block, int32_t bits,
+                  const lt_quantizer *q, const lt_hyper *h, int64_t chunk,
+                  int32_t nthreads) {
+  if (n < 0 || period < 1 || block < 1) return -1;
+  if (bits != 0 && bits != 4 && bits != 8) return -2;
+  if (period != block && period != 1) return -3;
+  if (bits != 0 && (q == 0 || q->ncodes != (1 << bits) || q->nuniq < 1 ||
+                    q->nuniq > q->ncodes || q->ncell < 1))
+    return -4;
+  if (chunk < 1 || chunk > LT_MAX_CHUNK) return -5;
+  if (nthreads < 1) nthreads = 1;
+  if (n == 0) return 0;
+  const int per_element_v = period == 1;
+  const int64_t nblocks = (n + block - 1) / block;
+  /* With 4-bit codes, a block of odd length can start in the middle of a byte;
+     threads then take pairs of blocks, so no byte is written by two threads. */
+  const int64_t unit = (bits == 4 && (block & 1)) ? 2 : 1;
+  const int64_t nunits = (nblocks + unit - 1) / unit;
+  const int32_t zero = bits ? lt_zero_index(q) : 0;
+  /* One allocation up front: a failure leaves every tensor untouched. */
+  const int nt = nthreads > 1 && nunits > 1 ? nthreads : 1;
+  /* Buffers staggered by a few cache lines: equal offsets modulo 4 KiB between a
+     loaded and a stored stream make the CPU stall on false store-load aliasing. */
+  const size_t c = (size_t)chunk, gap = 320, per = (c * 13 + 4 * gap + 63) / 64 * 64;
+  char *arena = malloc(per * (size_t)nt);
+  const int64_t grab = 16384 / (unit * block) > 1 ? 16384 / (unit * block) : 1;
+  if (arena == 0) return -6;
+
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    int tid = 0;
+#ifdef _OPENMP
+    tid = omp_get_thread_num();
+#endif
+    char *base = arena + per * (size_t)tid;
+    lt_scratch w = {(float *)base, (float *)(base + 4 * c + gap),
+                    (int32_t *)(base + 8 * c + 2 * gap), (uint8_t *)(base + 12 * c + 3 * gap)};
+    /* Dynamic, in grabs of ~16K elements: a thread that is descheduled (a shared
+       machine) holds up one grab, not a fixed half of the tensor. Blocks are
+       independent, so the result does not depend on who takes which. */
+#pragma omp for schedule(dynamic, grab)
+    for (int64_t u = 0; u < nunits; u++) {
+      const int64_t b_end = (u + 1) * unit < nblocks ? (u + 1) * unit : nblocks;
+      for (int64_t b = u * unit; b < b_end; b++) {
+        const int64_t s = b * block;
+        const int64_t len = s + block <= n ? block : n - s;
+        lt_block(param, grad, v, absmax, codes, exp_avg, n, b, s, len, per_element_v,
+                 bits, q, h, chunk, zero, &w);
+      }
+    }
+  }
+  free(arena);
+  return 0;
+}
+
+/* Let Python check the struct layouts and the buffer limit of the library it loaded. */
+int lt_sizeof_quantizer(void) { return (int)sizeof(lt_quantizer); }
+int lt_sizeof_hyper(void) { return (int)sizeof(lt_hyper); }
+int lt_max_chunk(void) { return LT_MAX_CHUNK; }

@@ -1,0 +1,134 @@
+r"""Lookup tables for nearest-code quantization, built once per codebook.
+
+With the distinct codebook values :math:`u_0 < \dots < u_{U-1}` and their
+midpoints :math:`\mu_j = (u_j + u_{j+1})/2` (exact, then rounded down to fp32,
+which keeps :math:`x > \mu_j` exact for fp32 x), the nearest value to x has index
+:math:`k(x) = \#\{j : \mu_j < x\}` (a tie goes to the lower value) and the stored
+code is ``first[k]``, the lowest code holding :math:`u_k` (so ties between equal
+codes go to the lower code too).
+
+The C kernel finds :math:`k(x)` with a table over ``ncell`` uniform cells of
+[-1, 1]. The cell of a float y is ``floor((y + 1) * ncell / 2)`` evaluated in fp32
+(the kernel's own arithmetic), a monotone function of y: every midpoint in a lower
+cell than x's is below x and every midpoint in a higher cell is above it. So
+``lut[c]`` stores the number of midpoints in cells below c, bitwise-NOT'ed when
+cell c itself holds midpoints; only then does the kernel compare x with the next
+midpoint(s) of its cell. This is exact for any sorted codebook. How many
+comparisons it takes depends on the grid: a learned codebook has distinct values
+at least one histogram bin (2/4096) apart, hence midpoints too, so with 16384
+cells a cell holds at most one midpoint (one neighbour comparison) and only about
+U/16384 of the cells hold any (1.6% for 8-bit), so most elements need none.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+CELLS = 1 << 14  # int16 entries: 32 KiB, an L1-sized table
+
+
+@dataclass(frozen=True)
+class QuantTable:
+    """The quantizer tables of one codebook (CPU, contiguous).
+
+    Attributes:
+        codebook: fp32 [K], the codebook (dequantizes old codes).
+        uniq: fp32 [U], its distinct values, ascending.
+        mid: fp32 [U], midpoints between consecutive ``uniq``; ``mid[U-1] = +inf``.
+        first: uint8 [U], the lowest code holding each distinct value.
+        lut: int16 [ncell], the number of midpoints in lower cells, bitwise NOT
+            where the cell holds a midpoint itself.
+        steps: the most midpoints any one cell holds (comparisons needed).
+    """
+
+    codebook: Tensor
+    uniq: Tensor
+    mid: Tensor
+    first: Tensor
+    lut: Tensor
+    steps: int
+
+
+def cell_index(y: Tensor, ncell: int) -> Tensor:
+    """The cell of each fp32 value, computed exactly as the C kernel does."""
+    t = (y.float() + 1.0) * (0.5 * ncell)  # fp32 add, exact power-of-two scale
+    return t.nan_to_num(0.0).clamp(0.0, ncell - 1).to(torch.int64)
+
+
+def build_table(codebook: Tensor) -> QuantTable:
+    """Builds the tables of a sorted fp32 codebook.
+
+    Raises:
+        ValueError: the codebook is empty, not 1-D, not finite or not sorted.
+    """
+    cb = codebook.detach().to("cpu", torch.float32).contiguous()
+    if cb.dim() != 1 or cb.numel() == 0:
+        raise ValueError(
+            f"codebook must be a non-empty 1-D tensor, got {tuple(cb.shape)}"
+        )
+    if not bool(torch.isfinite(cb).all()):
+        raise ValueError("codebook has non-finite values")
+    if cb.numel() > 1 and not bool((cb[1:] >= cb[:-1]).all()):
+        raise ValueError(f"codebook must be sorted ascending, got {cb.tolist()}")
+    uniq, counts = torch.unique_consecutive(cb, return_counts=True)
+    first = torch.cumsum(counts, 0) - counts
+    if cb.numel() > 256:
+        raise ValueError(f"codebook has {cb.numel()} codes; at most 256 (8-bit codes)")
+    # The exact midpoint (a sum of two fp32 numbers is exact in float64) rounded
+    # down to fp32: for fp32 x, x > mid_down <=> x > exact midpoint, so the rule
+    # is the exact nearest value with ties to the lower one (as quant.NearestCode).
+    exact = (uniq[:-1].double() + uniq[1:].double()) / 2
+    mids = exact.float()
+    over = mids.double() > exact
+    mids[over] = torch.nextafter(mids[over], torch.tensor(-float("inf")))
+    cells = cell_index(mids, CELLS)
+    # cells are non-decreasing (mids ascending), so a search counts lower cells
+    lut = torch.searchsorted(cells, torch.arange(CELLS), side="left")
+    per_cell = torch.bincount(cells, minlength=CELLS)
+    lut = torch.where(per_cell > 0, ~lut, lut)
+    return QuantTable(
+        codebook=cb,
+        uniq=uniq.contiguous(),
+        mid=torch.cat([mids, torch.tensor([float("inf")])]).contiguous(),
+        first=first.to(torch.uint8).contiguous(),
+        lut=lut.to(torch.int16).contiguous(),
+        steps=int(per_cell.max()) if mids.numel() else 0,
+    )
+
+
+# id(codebook) -> (weak reference, version, table); the codebook is one tensor shared
+# by all parameters, so this holds one or two entries in practice.
+_cache: dict[int, tuple[weakref.ref, int, str, QuantTable]] = {}
+_CACHE_LIMIT = 16
+
+
+def quant_table(codebook: Tensor) -> QuantTable:
+    """The (cached) table of ``codebook``, rebuilt if the tensor was modified."""
+    key = id(codebook)
+    entry = _cache.get(key)
+    version = codebook._version  # bumped by every in-place change
+    if entry is not None:
+        ref, seen, device, table = entry
+        if ref() is codebook and seen == version and device == str(codebook.device):
+            return table
+    table = build_table(codebook)
+    if len(_cache) >= _CACHE_LIMIT:
+        _cache.clear()
+    _cache[key] = (weakref.ref(codebook), version, str(codebook.device), table)
+    return table
+
+
+def nearest_index(x: Tensor, table: QuantTable) -> Tensor:
+    """Index k into ``table.uniq`` of the value nearest each x (ties to the lower),
+    by the kernel's table lookup, in tensor ops (int64, on x's and table's device).
+    """
+    j = table.lut[cell_index(x, table.lut.numel())].long()
+    inside = j < 0  # the cell holds midpoints: count those below x
+    k = torch.where(inside, ~j, j)
+    for _ in range(table.steps):
+        k += inside & (x > table.mid[k])
+    return k

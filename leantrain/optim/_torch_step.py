@@ -1,0 +1,285 @@
+"""Gefen's step in plain PyTorch over bounded chunks (the fused path's fallback).
+
+Used where the C kernel is not: other dtypes (bf16/fp16 parameters or gradients),
+CUDA, non-contiguous tensors, no compiler, ``LEANTRAIN_NO_NATIVE=1``. Same math and
+roundings as the kernel (``_kernels/gefen_step.c``) and the reference
+(``_step.reference_step``); temporaries are ~60 bytes per element of one chunk of
+``TORCH_CHUNK`` elements, whatever the parameter's size. A chunk is a run of
+whole blocks starting on an even element (so 4-bit code pairs never straddle two
+chunks); a block longer than a chunk is done in two passes over sub-chunks (stats,
+then quantize and update), recomputing the momentum rather than storing it.
+
+On CUDA the chunk function is compiled with ``torch.compile`` (Triton).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._quant_table import QuantTable, nearest_index, quant_table
+
+# Elements per chunk: temporaries are ~60 B per element of a chunk (fp32 and int64
+# vectors), so 2**18 keeps them near 16 MiB whatever the tensor.
+TORCH_CHUNK = 1 << 18
+
+
+def state_layout(param: Tensor, state: dict) -> tuple[int, int, int]:
+    """(period, block, bits) of a state, after checking its tensors' sizes.
+
+    ``block`` is the absmax block (qblock); for fp32 momentum it is the period, or
+    256 elements (just a unit of work) when the period is 1.
+    """
+    n = param.numel()
+    period = int(state["period"])
+    if not 1 <= period <= n:
+        raise ValueError(f"state 'period' is {period}; allowed: 1 <= period <= {n}")
+    nb = math.ceil(n / period)
+    if state["exp_avg_sq"].numel() != nb:
+        raise ValueError(
+            f"state 'exp_avg_sq' has {state['exp_avg_sq'].numel()} elements; "
+            f"period {period} over {n} elements needs {nb}"
+        )
+    codebook = state.get("codebook")
+    if codebook is None:
+        if state["exp_avg"].numel() != n:
+            raise ValueError(
+                f"state 'exp_avg' has {state['exp_avg'].numel()} elements, "
+                f"parameter {n}"
+            )
+        return period, (256 if period == 1 else period), 0
+    bits = {256: 8, 16: 4}.get(codebook.numel())
+    if bits is None:
+        raise ValueError(
+            f"codebook has {codebook.numel()} codes; allowed: 256 (8-bit) or 16 (4-bit)"
+        )
+    block = int(state["qblock"])
+    if block != period and period != 1:
+        raise ValueError(f"state 'qblock' {block} must equal 'period' {period}")
+    want = {
+        "exp_avg_codes": n if bits == 8 else (n + 1) // 2,
+        "exp_avg_absmax": math.ceil(n / block),
+    }
+    for key, size in want.items():
+        if state[key].numel() != size:
+            raise ValueError(
+                f"state '{key}' has {state[key].numel()} elements; a {bits}-bit "
+                f"state of {n} elements with qblock {block} needs {size}"
+            )
+    return period, block, bits
+
+
+def read_codes(codes: Tensor, start: int, end: int, bits: int) -> Tensor:
+    """Codes of elements [start, end) as int64 (4-bit: element 2i is the low nibble)."""
+    if bits == 8:
+        return codes[start:end].long()
+    raw = codes[start // 2 : (end + 1) // 2].long()
+    pairs = torch.stack([raw & 15, raw >> 4], dim=1).reshape(-1)
+    return pairs[start % 2 : start % 2 + end - start]
+
+
+def write_codes(codes: Tensor, start: int, end: int, values: Tensor, bits: int) -> None:
+    """Stores codes of elements [start, end); nibbles of neighbours are kept, and the
+    unused high nibble after an odd tensor's last element is zero."""
+    values = values.to(torch.uint8)
+    if bits == 8:
+        codes[start:end] = values
+        return
+    n_bytes = codes.numel()
+    lo, hi = start // 2, (end + 1) // 2
+    old = read_codes(codes, 2 * lo, min(2 * hi, 2 * n_bytes), 4).to(torch.uint8)
+    if old.numel() < 2 * (hi - lo):  # odd numel: the padding nibble reads as 0
+        old = torch.cat([old, old.new_zeros(1)])
+    old[start - 2 * lo : end - 2 * lo] = values
+    if end == 2 * n_bytes - 1:  # tensor's last element in a low nibble
+        old[-1] = 0
+    codes[lo:hi] = old[0::2] | (old[1::2] << 4)
+
+
+def _per_element(values: Tensor, block: int, length: int) -> Tensor:
+    return values.repeat_interleave(block)[:length] if block > 1 else values
+
+
+def _momentum(
+    g: Tensor,
+    state: dict,
+    start: int,
+    end: int,
+    block: int,
+    bits: int,
+    table: QuantTable | None,
+    w1: float,
+) -> Tensor:
+    """New momentum of elements [start, end) (a range of whole blocks or a part of
+    one block): lerp(old m, g, 1 - beta1)."""
+    if not bits:
+        return torch.lerp(state["exp_avg"].view(-1)[start:end], g, w1)
+    absmax = state["exp_avg_absmax"][start // block : (end - 1) // block + 1]
+    old = table.codebook[read_codes(state["exp_avg_codes"], start, end, bits)]
+    offset = start % block  # a sub-chunk of a long block starts inside it
+    old = old * absmax.repeat_interleave(block)[offset : offset + end - start]
+    return torch.lerp(old, g, w1)
+
+
+def _quantize(m: Tensor, amax: Tensor, table: QuantTable) -> tuple[Tensor, Tensor]:
+    """(codes, de-quantized values) of m, one absmax per element (0: code of 0)."""
+    x = torch.where(amax > 0, m / amax, torch.zeros_like(m))
+    k = nearest_index(x, table)
+    return table.first[k], table.uniq[k] * amax
+
+
+def _chunk(
+    param32: Tensor,
+    g: Tensor,
+    state: dict,
+    start: int,
+    end: int,
+    period: int,
+    block: int,
+    bits: int,
+    table: QuantTable | None,
+    h: dict[str, float],
+) -> None:
+    """One chunk of whole blocks: the full update in one pass."""
+    length = end - start
+    sq = g * g
+    if period == 1:
+        v = state["exp_avg_sq"][start:end]
+        v.mul_(h["beta2"]).add_(sq, alpha=h["omb2"])
+        denom = (v.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
+    else:
+        nb = math.ceil(length / block)
+        padded = torch.zeros(nb * block, dtype=torch.float64, device=g.device)
+        padded[:length] = sq
+        sizes = torch.full((nb,), float(block), dtype=torch.float64, device=g.device)
+        sizes[-1] = length - (nb - 1) * block
+        mean = (padded.view(nb, block).sum(1) / sizes).float()
+        v = state["exp_avg_sq"][start // block : start // block + nb]
+        v.mul_(h["beta2"]).add_(mean, alpha=h["omb2"])
+        denom = _per_element((v.sqrt() / h["sqrt_bc2"]).add_(h["eps"]), block, length)
+    m = _momentum(g, state, start, end, block, bits, table, h["w1"])
+    if bits:
+        nb = math.ceil(length / block)
+        padded = torch.zeros(nb * block, dtype=m.dtype, device=m.device)
+        padded[:length] = m.abs()
+        amax = padded.view(nb, block).amax(1)
+        state["exp_avg_absmax"][start // block : start // block + nb] = amax
+        codes, m = _quantize(m, _per_element(amax, block, length), table)
+        write_codes(state["exp_avg_codes"], start, end, codes, bits)
+    else:
+        state["exp_avg"].view(-1)[start:end] = m
+    param32.mul_(h["decay"]).addcdiv_(m, denom, value=-h["step_size"])
+
+
+def _big_block(
+    param32: Tensor,
+    grad: Tensor,
+    state: dict,
+    start: int,
+    end: int,
+    period: int,
+    block: int,
+    bits: int,
+    table: QuantTable | None,
+    h: dict[str, float],
+    chunk: int,
+    sign: float,
+) -> None:
+    """One block longer than a chunk: stats over sub-chunks, then the update."""
+    b = start // block
+    total, amax = 0.0, 0.0
+    for s in range(start, end, chunk):
+        e = min(s + chunk, end)
+        g = grad[s:e].float() * sign
+        total += float((g * g).double().sum())
+        if bits:
+            m = _momentum(g, state, s, e, block, bits, table, h["w1"])
+            amax = max(amax, float(m.abs().amax()))
+    mean = torch.tensor([total / (end - start)], device=grad.device)
+    v = state["exp_avg_sq"][b : b + 1]
+    v.mul_(h["beta2"]).add_(mean, alpha=h["omb2"])
+    denom = (v.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
+    amax_t = torch.tensor(amax, dtype=torch.float32, device=grad.device)
+    for s in range(start, end, chunk):
+        e = min(s + chunk, end)
+        g = grad[s:e].float() * sign
+        m = _momentum(g, state, s, e, block, bits, table, h["w1"])
+        if bits:
+            codes, m = _quantize(m, amax_t.expand_as(m), table)
+            write_codes(state["exp_avg_codes"], s, e, codes, bits)
+        else:
+            state["exp_avg"].view(-1)[s:e] = m
+        w = param32[s - start : e - start]
+        w.mul_(h["decay"]).addcdiv_(m, denom, value=-h["step_size"])
+    if bits:
+        state["exp_avg_absmax"][b] = amax_t
+
+
+_compiled_chunk = None
+
+
+def chunk_function(device: torch.device):
+    """The per-chunk update for ``device``: compiled (Triton) on CUDA, eager elsewhere.
+
+    On the CPU the C kernel is the fast path, and compiling the fallback would cost
+    seconds of Inductor time for a path used only for odd dtypes and layouts.
+    """
+    global _compiled_chunk
+    if device.type != "cuda":
+        return _chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk, dynamic=True)
+    return _compiled_chunk
+
+
+def torch_step(param: Tensor, grad: Tensor, state: dict, h: dict[str, float]) -> None:
+    """The chunked PyTorch step (``state['step']`` already advanced)."""
+    period, block, bits = state_layout(param, state)
+    table = quant_table(state["codebook"]) if bits else None
+    if table is not None and table.codebook.device != param.device:
+        table = QuantTable(
+            *(
+                t.to(param.device) if isinstance(t, Tensor) else t
+                for t in vars(table).values()
+            )
+        )
+    n = param.numel()
+    flat = param.view(-1) if param.is_contiguous() else param.reshape(-1).clone()
+    flat_grad = grad.reshape(-1)
+    sign = -1.0 if h["sign"] < 0 else 1.0
+    if block > TORCH_CHUNK:
+        for start in range(0, n, block):
+            end = min(start + block, n)
+            w = flat[start:end]
+            w32 = w if w.dtype == torch.float32 else w.float()
+            _big_block(
+                w32,
+                flat_grad,
+                state,
+                start,
+                end,
+                period,
+                block,
+                bits,
+                table,
+                h,
+                TORCH_CHUNK,
+                sign,
+            )
+            if w32 is not w:
+                w.copy_(w32)
+    else:
+        step = max(1, TORCH_CHUNK // (2 * block)) * 2 * block
+        chunk_fn = chunk_function(param.device)
+        for start in range(0, n, step):
+            end = min(start + step, n)
+            g = flat_grad[start:end].float() * sign
+            w = flat[start:end]
+            w32 = w if w.dtype == torch.float32 else w.float()
+            chunk_fn(w32, g, state, start, end, period, block, bits, table, h)
+            if w32 is not w:
+                w.copy_(w32)
+    if not param.is_contiguous():
+        param.copy_(flat.view(param.shape))

@@ -1,0 +1,434 @@
+r"""GefenMuon: Muon on a codebook-quantized momentum, with a Gefen-AdamW side group.
+
+Muon (Keller Jordan; ``torch.optim.Muon``) updates a weight matrix with the
+Newton–Schulz orthogonalization of its Nesterov momentum. GefenMuon stores that
+momentum like Gefen stores AdamW's: uint8 codes into one learned codebook shared by
+the whole optimizer, plus one fp32 absmax per block (docs/CONTRACTS.md "Gefen state"
+without ``exp_avg_sq``), about 1 byte per parameter instead of Muon's 4.
+
+Muon is for the 2-D weights of hidden layers. Every other parameter (biases, norms,
+convolution kernels, and any parameter a group marks ``use_muon=False``) is trained
+by Gefen's AdamW update in the same optimizer, so ``GefenMuon(model.parameters())``
+works on any model. The pure math is :func:`newton_schulz`, :func:`adjust_lr` and
+:func:`muon_step`; the class is bookkeeping.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
+
+from . import _checks
+from ._muon_math import (
+    DEFAULT_NS_COEFFICIENTS,
+    adjust_lr,
+    default_ns_dtype,
+    muon_step,
+    newton_schulz,
+    newton_schulz_reference,
+)
+from ._muon_state import (
+    check_muon_options,
+    check_ns_dtype,
+    load_post_hook,
+    load_pre_hook,
+)
+from ._state import new_state, qblock_for, state_bits
+from ._step import reference_step
+from .quant import NearestCode
+
+__all__ = [
+    "GefenMuon",
+    "adjust_lr",
+    "muon_param_groups",
+    "muon_step",
+    "newton_schulz",
+    "newton_schulz_reference",
+]
+
+# The options of an AdamW-side group and the Muon-group key each one replaces.
+_ADAMW_KEYS = {"lr": "adamw_lr", "betas": "adamw_betas", "eps": "adamw_eps"}
+_ADAMW_KEYS["weight_decay"] = "adamw_weight_decay"
+
+
+def muon_param_groups(
+    model: nn.Module, *, adamw_modules: Iterable[nn.Module] = ()
+) -> list[dict]:
+    """Splits a model's parameters into a Muon group and an AdamW group.
+
+    Muon is meant for hidden-layer matrices. The AdamW group gets every parameter
+    that is not 2-D, the weights of every ``nn.Embedding``, and all parameters of the
+    modules in ``adamw_modules`` (pass the output head here, e.g.
+    ``[model.lm_head]``; a head cannot be recognized from its shape alone).
+
+    Returns:
+        ``[{"params": [...], "use_muon": True}, {"params": [...], "use_muon": False}]``
+        (a group with no parameters is left out), for :class:`GefenMuon`.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+        >>> groups = muon_param_groups(model)
+        >>> [len(g["params"]) for g in groups]
+        [1, 2]
+    """
+    adamw: dict[int, Tensor] = {}
+    for module in list(adamw_modules) + [
+        m for m in model.modules() if isinstance(m, nn.Embedding)
+    ]:
+        for p in module.parameters():
+            adamw[id(p)] = p
+    muon, other = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (other if id(p) in adamw or p.ndim != 2 else muon).append(p)
+    groups = [{"params": muon, "use_muon": True}, {"params": other, "use_muon": False}]
+    return [g for g in groups if g["params"]]
+
+
+def _items(params: object) -> list:
+    if isinstance(params, Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered "
+            "collections, but the ordering of tensors in sets will "
+            "change between runs. Please use a list instead."
+        )
+    return list(params)
+
+
+def _tensor(item: object) -> object:
+    # torch accepts (name, param) pairs; the tensor decides the routing.
+    return item[1] if isinstance(item, tuple) else item
+
+
+class GefenMuon(Optimizer):
+    r"""Muon with a Gefen-quantized momentum, and Gefen-AdamW for the other params.
+
+    For a 2-D parameter (a "Muon parameter") each step is ``torch.optim.Muon``'s
+    (see :func:`muon_step`) with the momentum stored as ``momentum_bits``-bit codes
+    into one codebook (learned from the first gradients, like Gefen's) times one
+    fp32 absmax per block of the parameter's period. With ``momentum_bits=None`` it
+    is ``torch.optim.Muon`` exactly. Other parameters are updated by Gefen's AdamW
+    step (``_step.reference_step``) with the ``adamw_*`` options.
+
+    Routing: a group's ``use_muon`` key decides. ``True``: every parameter must be
+    2-D. ``False``: an AdamW group; its ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` are the AdamW values (those not given come from the group's or
+    the optimizer's ``adamw_*`` options). Absent or ``None`` (e.g.
+    ``GefenMuon(model.parameters())``): the group is split into a Muon group of its
+    2-D parameters and an AdamW group of the rest, so ``param_groups`` may have more
+    entries than the groups passed in. Embeddings and output heads are 2-D but are
+    better trained by AdamW (Keller Jordan; Moonshot): route them with a
+    ``use_muon=False`` group, e.g. built by :func:`muon_param_groups`.
+
+    Args:
+        params: parameters or param groups (see routing above).
+        lr: Muon learning rate (before :func:`adjust_lr`).
+        weight_decay: Muon decoupled weight decay (``param *= 1 - lr * wd``).
+        momentum: Muon momentum, in [0, 1).
+        nesterov: use the Nesterov momentum ``lerp(g, m, momentum)``.
+        ns_coefficients: (a, b, c) of the quintic Newton–Schulz iteration.
+        eps: floor of the Frobenius norm in Newton–Schulz.
+        ns_steps: Newton–Schulz iterations.
+        adjust_lr_fn: None/"original" (``lr * sqrt(max(1, rows/cols))``) or
+            "match_rms_adamw" (``0.2 * lr * sqrt(max(rows, cols))``).
+        momentum_bits: 8, 4 or None (fp32 momentum), for both sides.
+        partition: Gefen's block length: "auto" (from the first gradient),
+            "element", "tensor" or an int. For Muon parameters it sets the momentum
+            quantization block (``qblock``); for AdamW ones also the second moment's.
+        ns_dtype: dtype of the Newton–Schulz iteration; None picks bfloat16 on CUDA
+            (Muon's choice, ``torch.optim.Muon``'s bits) and float32 elsewhere
+            (bfloat16 matrix products are 10-80x slower on AVX2 CPUs).
+        adamw_lr: learning rate of the AdamW side.
+        adamw_betas: (beta1, beta2) of the AdamW side.
+        adamw_eps: eps of the AdamW side.
+        adamw_weight_decay: decoupled weight decay of the AdamW side.
+        nonfinite: "skip" (a step with a NaN/inf gradient changes nothing, counted
+            in ``nonfinite_steps``, warns) or "raise" (``FloatingPointError``).
+
+    Raises:
+        ValueError: an invalid option, or a ``use_muon=True`` parameter that is not
+            2-D, naming the value.
+        TypeError: a complex or non-floating parameter.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(16, 2))
+        >>> opt = GefenMuon(model.parameters(), lr=0.02, adamw_lr=1e-3)
+        >>> [g["use_muon"] for g in opt.param_groups]
+        [True, False]
+        >>> model(torch.randn(4, 8)).square().mean().backward()
+        >>> opt.step()
+        >>> sorted(opt.state[model[0].weight])
+        ['codebook', 'exp_avg_absmax', 'exp_avg_codes', 'period', 'qblock', 'step']
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        momentum_bits: int | None = 8,
+        partition: str | int = "auto",
+        ns_dtype: torch.dtype | None = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-10,
+        adamw_weight_decay: float = 0.0,
+        nonfinite: str = "skip",
+    ) -> None:
+        check_muon_options(
+            lr,
+            weight_decay,
+            momentum,
+            nesterov,
+            ns_coefficients,
+            eps,
+            ns_steps,
+            adjust_lr_fn,
+        )
+        _checks.check_hyperparameters(
+            adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay
+        )
+        _checks.check_momentum_bits(momentum_bits)
+        _checks.check_partition(partition)
+        _checks.check_nonfinite(nonfinite)
+        check_ns_dtype(ns_dtype)
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "momentum_bits": momentum_bits,
+            "partition": partition,
+            "ns_dtype": ns_dtype,
+            "adamw_lr": adamw_lr,
+            "adamw_betas": tuple(adamw_betas),
+            "adamw_eps": adamw_eps,
+            "adamw_weight_decay": adamw_weight_decay,
+        }
+        self.nonfinite = nonfinite
+        self.nonfinite_steps = 0
+        super().__init__(params, defaults)
+        self.register_load_state_dict_pre_hook(load_pre_hook)
+        self.register_load_state_dict_post_hook(load_post_hook)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a group; one without ``use_muon`` is split into a Muon and an AdamW
+        group (see the class docstring). Validates options and parameters."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group)}")
+        use_muon = param_group.get("use_muon")
+        if use_muon not in (None, True, False):
+            raise ValueError(
+                f"Invalid use_muon: {use_muon!r}; allowed: True, False, None"
+            )
+        items = _items(param_group["params"])
+        if use_muon is None:
+            muon = [i for i in items if getattr(_tensor(i), "ndim", None) == 2]
+            other = [i for i in items if getattr(_tensor(i), "ndim", None) != 2]
+            parts = [(True, muon)] if muon or not other else []
+            parts += [(False, other)] if other else []
+        else:
+            parts = [(use_muon, items)]
+        for is_muon, part in parts:
+            group = {**param_group, "params": part, "use_muon": is_muon}
+            if not is_muon:
+                for key, adamw_key in _ADAMW_KEYS.items():
+                    if use_muon is None or key not in param_group:
+                        group[key] = param_group.get(
+                            adamw_key, self.defaults[adamw_key]
+                        )
+            self._add_checked(group)
+
+    def _add_checked(self, group: dict) -> None:
+        super().add_param_group(group)
+        group = self.param_groups[-1]
+        try:
+            if group["use_muon"]:
+                check_muon_options(
+                    group["lr"],
+                    group["weight_decay"],
+                    group["momentum"],
+                    group["nesterov"],
+                    group["ns_coefficients"],
+                    group["eps"],
+                    group["ns_steps"],
+                    group["adjust_lr_fn"],
+                )
+            else:
+                group["betas"] = tuple(group["betas"])
+                _checks.check_hyperparameters(
+                    group["lr"], group["betas"], group["eps"], group["weight_decay"]
+                )
+            _checks.check_momentum_bits(group["momentum_bits"])
+            _checks.check_partition(group["partition"])
+            check_ns_dtype(group["ns_dtype"])
+            for position, param in enumerate(group["params"]):
+                label = _label(group, position, param)
+                _checks.check_param(param, label)
+                if group["use_muon"] and param.ndim != 2:
+                    raise ValueError(
+                        f"GefenMuon: {label} is in a use_muon=True group but Muon "
+                        "needs 2-D parameters; put it in a use_muon=False group"
+                    )
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+
+    def _period(self, group: dict, grad: Tensor) -> int:
+        """Block length p from the partition option and the first gradient."""
+        partition, n = group["partition"], grad.numel()
+        if partition == "element":
+            return 1
+        if partition == "tensor":
+            return n
+        if partition != "auto":
+            return min(int(partition), n)
+        from .partition import choose_period
+
+        return int(choose_period(grad))
+
+    def _init_states(self, active: list[tuple[dict, Tensor, str]]) -> None:
+        """Creates the state of parameters on their first gradient; learns a codebook
+        per momentum width from all of them when the optimizer has none yet."""
+        fresh = [(group, p) for group, p, _ in active if not self.state[p]]
+        if not fresh:
+            return
+        periods = {p: self._period(group, p.grad) for group, p in fresh}
+        codebooks: dict[int, Tensor] = {}
+        for bits in {group["momentum_bits"] for group, _ in fresh} - {None}:
+            codebook = next(
+                (
+                    s["codebook"]
+                    for s in self.state.values()
+                    if "codebook" in s and s["codebook"].numel() == 2**bits
+                ),
+                None,
+            )
+            if codebook is None:
+                from .codebook import histogram, learn_codebook
+
+                counts = sum(
+                    histogram(p.grad.reshape(-1).float(), qblock_for(periods[p]))
+                    for group, p in fresh
+                    if group["momentum_bits"] == bits
+                )
+                codebook = learn_codebook(counts, 2**bits).to(torch.float32)
+            codebooks[bits] = codebook.to(fresh[0][1].device)
+        for group, param in fresh:
+            bits = group["momentum_bits"]
+            state = new_state(param, periods[param], bits, codebooks.get(bits))
+            if group["use_muon"]:
+                del state["exp_avg_sq"]  # Muon keeps no second moment
+            self.state[param] = state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Performs one optimization step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss; it runs first, so
+                its gradients feed this step (the first step, codebook included).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active, index = [], 0
+        for group in self.param_groups:
+            for position, param in enumerate(group["params"]):
+                index += 1
+                if param.grad is None or param.numel() == 0:
+                    continue
+                label = _label(group, position, param)
+                _checks.check_grad(param.grad, label)
+                active.append((group, param, label))
+        for _, param, label in active:
+            if _checks.is_finite(param.grad):
+                continue
+            if self.nonfinite == "raise":
+                raise FloatingPointError(f"GefenMuon: non-finite gradient in {label}")
+            self.nonfinite_steps += 1
+            warnings.warn(
+                f"GefenMuon: non-finite gradient in {label}; step skipped, parameters"
+                f" and state unchanged ({self.nonfinite_steps} skipped so far)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return loss
+        for group, param, label in active:
+            state = self.state[param]
+            if state and state_bits(state) != group["momentum_bits"]:
+                raise ValueError(
+                    f"{label}: its state holds momentum_bits={state_bits(state)} but "
+                    f"its group says {group['momentum_bits']}; momentum_bits cannot "
+                    "change after the first step"
+                )
+        self._init_states(active)
+        nearest: dict[int, NearestCode] = {}  # one quantizer per codebook per step
+        for group, param, _ in active:
+            state = self.state[param]
+            if not group["use_muon"]:
+                beta1, beta2 = group["betas"]
+                reference_step(
+                    param,
+                    param.grad,
+                    state,
+                    lr=float(group["lr"]),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    maximize=False,
+                )
+                continue
+            codebook = state.get("codebook")
+            if codebook is not None and id(codebook) not in nearest:
+                nearest[id(codebook)] = NearestCode(codebook)
+            muon_step(
+                param,
+                param.grad,
+                state,
+                lr=float(group["lr"]),
+                weight_decay=float(group["weight_decay"]),
+                momentum=float(group["momentum"]),
+                nesterov=group["nesterov"],
+                ns_coefficients=group["ns_coefficients"],
+                ns_steps=group["ns_steps"],
+                eps=float(group["eps"]),
+                adjust_lr_fn=group["adjust_lr_fn"],
+                ns_dtype=group["ns_dtype"] or default_ns_dtype(param.device),
+                nearest=None if codebook is None else nearest[id(codebook)],
+            )
+        return loss
+
+
+def _label(group: dict, position: int, param: Tensor) -> str:
+    names = group.get("param_names")
+    if names is not None and position < len(names):
+        return f"parameter '{names[position]}' (shape {tuple(param.shape)})"
+    return f"parameter {position} of its group (shape {tuple(param.shape)})"

@@ -1,0 +1,112 @@
+"""Base of the per-module ops: captured sites and the generic per-example algebra.
+
+See :mod:`.modules` for the canonical unit layout every op shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ModuleOp", "Site"]
+
+_CHUNK_ELEMENTS = 1 << 22  # bound on a transient (n, R, U) per-example block
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Detach; statistics of half-precision activations are accumulated in fp32."""
+    t = t.detach()
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+@dataclass
+class Site:
+    """One weight row block applied at positions: ``y_t[rows] = W[rows] a_t (+ b)``.
+
+    Attributes:
+        rows: canonical rows (output units) this site produces.
+        a: inputs ``(N, T, J)`` (for Embedding: token ids ``(N, T)``).
+        e: output-gradients ``(N, T, len(rows))``.
+    """
+
+    rows: slice
+    a: torch.Tensor
+    e: torch.Tensor
+
+
+class ModuleOp:
+    """Base class: one supported module's capture and per-example algebra.
+
+    Subclasses set ``canon_index`` and implement :meth:`record`, :meth:`grad_feature`,
+    :meth:`combine` and :meth:`per_example`.
+    """
+
+    kron_capable = False
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+        self.params = [p for _, p in module.named_parameters(recurse=False)]
+        self.numel = sum(p.numel() for p in self.params)
+        self.canon_index = torch.empty(0, 0, dtype=torch.long)
+
+    # -- capture -----------------------------------------------------------------
+    def record(self, args: tuple, output: object) -> tuple[dict, list[torch.Tensor]]:
+        """Return the forward features and the tensors whose gradients are needed."""
+        raise NotImplementedError
+
+    def grad_feature(self, slot: int, grad: torch.Tensor) -> torch.Tensor:
+        """Reshape the gradient of hooked tensor ``slot`` to ``(N, T, ·)``."""
+        raise NotImplementedError
+
+    def combine(self, calls: list[tuple[dict, list[torch.Tensor | None]]]) -> list:
+        """Merge every call of this pass (calls are extra positions) into sites."""
+        raise NotImplementedError
+
+    # -- algebra ------------------------------------------------------------------
+    def per_example(self, data: list, sl: slice) -> torch.Tensor:
+        """Canonical per-example gradients ``(n, R, U)`` for examples ``sl``."""
+        raise NotImplementedError
+
+    def n_examples(self, data: list) -> int:
+        return int(data[0].e.shape[0])
+
+    def chunks(self, data: list) -> list[slice]:
+        n = self.n_examples(data)
+        rows, units = self.canon_index.shape
+        step = max(1, _CHUNK_ELEMENTS // max(1, rows * units))
+        return [slice(i, min(n, i + step)) for i in range(0, n, step)]
+
+    def per_example_flat(self, data: list, sl: slice) -> torch.Tensor:
+        """Per-example gradients ``(n, P_m)`` in module parameter order."""
+        canon = self.per_example(data, sl)
+        flat = canon.new_zeros(canon.shape[0], self.numel)
+        flat[:, self.canon_index.reshape(-1)] = canon.reshape(canon.shape[0], -1)
+        return flat
+
+    def diag(self, data: list) -> torch.Tensor:
+        """Canonical diagonal ``(R, U)``: sum over examples of squared gradients."""
+        out = None
+        for sl in self.chunks(data):
+            part = self.per_example(data, sl).square().sum(0)
+            out = part if out is None else out + part
+        return out
+
+    def unit(self, data: list) -> torch.Tensor:
+        """Unit blocks ``(R, U, U)``: sum over examples of per-unit outer products."""
+        out = None
+        for sl in self.chunks(data):
+            g = self.per_example(data, sl)
+            part = torch.einsum("nru,nrv->ruv", g, g)
+            out = part if out is None else out + part
+        return out
+
+
+def _batch(x: torch.Tensor, name: str, min_dim: int) -> None:
+    if x.dim() < min_dim:
+        raise ValueError(
+            f"module {name!r}: curvature needs a batch dimension; got input shape "
+            f"{tuple(x.shape)}"
+        )

@@ -1,0 +1,102 @@
+"""Elementwise-affine ops: LayerNorm, BatchNorm (a unit is ``[gamma_i, beta_i]``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._base import ModuleOp, Site, _acc, _batch
+
+__all__ = ["BatchNormOp", "ElementwiseAffineOp", "LayerNormOp"]
+
+
+class ElementwiseAffineOp(ModuleOp):
+    r"""``y = \gamma \hat x + \beta`` per feature; a unit is ``[\gamma_i, \beta_i]``."""
+
+    def _setup(self, size: int, bias: bool) -> None:
+        self.size, self.has_bias = size, bias
+        idx = torch.arange(size).unsqueeze(1)
+        self.canon_index = torch.cat([idx, size + idx], 1) if bias else idx
+
+    def grad_feature(self, slot: int, grad: torch.Tensor) -> torch.Tensor:
+        return self._layout(_acc(grad))
+
+    def combine(self, calls: list) -> list[Site]:
+        live = [(f, g[0]) for f, g in calls if g[0] is not None]
+        if not live:
+            return []
+        xhat = torch.cat([f["xhat"] for f, _ in live], 1)
+        e = torch.cat([g for _, g in live], 1)
+        return [Site(slice(0, self.size), xhat, e)]
+
+    def per_example(self, data: list[Site], sl: slice) -> torch.Tensor:
+        site = data[0]
+        e = site.e[sl]
+        parts = [(e * site.a[sl]).sum(1)]
+        if self.has_bias:
+            parts.append(e.sum(1))
+        return torch.stack(parts, dim=-1)  # (n, S, U)
+
+
+class LayerNormOp(ElementwiseAffineOp):
+    def __init__(self, name: str, module: nn.LayerNorm) -> None:
+        super().__init__(name, module)
+        if module.weight is None:
+            raise ValueError(f"module {name!r}: LayerNorm without weight has no units")
+        self._setup(module.weight.numel(), module.bias is not None)
+
+    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1, self.size)
+
+    def record(self, args: tuple, output: torch.Tensor) -> tuple[dict, list]:
+        x = args[0]
+        m = self.module
+        _batch(x, self.name, len(m.normalized_shape) + 1)
+        xhat = F.layer_norm(_acc(x), m.normalized_shape, eps=m.eps)
+        return {"xhat": self._layout(xhat)}, [output]
+
+
+class BatchNormOp(ElementwiseAffineOp):
+    """BatchNorm in eval mode (running statistics): examples stay independent.
+
+    In training mode the batch statistics couple the examples, so per-example
+    quantities (and every kind but "hessian") are not defined; the collector rejects
+    it unless ``allow_batch_coupling=True``, which treats the batch statistics as
+    constants (the usual K-FAC approximation).
+    """
+
+    allow_batch_coupling = False
+
+    def __init__(self, name: str, module: nn.modules.batchnorm._BatchNorm) -> None:
+        super().__init__(name, module)
+        if module.weight is None:
+            raise ValueError(f"module {name!r}: BatchNorm without affine has no units")
+        self._setup(module.num_features, module.bias is not None)
+
+    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+        n, c = x.shape[:2]
+        return x.reshape(n, c, -1).transpose(1, 2)  # (N, spatial, C)
+
+    def record(self, args: tuple, output: torch.Tensor) -> tuple[dict, list]:
+        x = _acc(args[0])
+        m = self.module
+        _batch(x, self.name, 2)
+        batch_stats = m.training or m.running_mean is None
+        if batch_stats and not self.allow_batch_coupling:
+            raise ValueError(
+                f"module {self.name!r}: BatchNorm using batch statistics (training mode"
+                " or track_running_stats=False) couples the examples, so per-example "
+                "curvature is undefined; call model.eval(), use kind='hessian', or "
+                "list it in ignore_modules"
+            )
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        if batch_stats:
+            dims = [0] + list(range(2, x.dim()))
+            mean = x.mean(dims, keepdim=True)
+            var = x.var(dims, unbiased=False, keepdim=True)
+        else:
+            mean = m.running_mean.reshape(shape).to(x.dtype)
+            var = m.running_var.reshape(shape).to(x.dtype)
+        xhat = (x - mean) / torch.sqrt(var + m.eps)
+        return {"xhat": self._layout(xhat)}, [output]

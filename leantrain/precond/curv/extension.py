@@ -1,0 +1,402 @@
+"""Module hooks that collect per-module curvature statistics.
+
+:class:`CurvatureCollector` is the reusable machinery behind
+:func:`~leantrain.precond.curv.curvature`, meant to be driven from inside a training
+step as well::
+
+    collector = CurvatureCollector(model, shapes=("kron",))
+    with collector:                                   # registers the hooks
+        output = model(inputs)                        # forward hooks save inputs
+        loss = loss_fn(output, targets)
+        loss.backward()                               # ordinary gradient, not collected
+        collector.accumulate(output, vectors)         # one backward per vector
+    stats = collector.statistics()                    # per-module tensors
+    collector.reset()                                 # before the next forward
+
+The forward hook of each tracked module records its input features and registers a
+gradient hook on its output tensor, so every call of a module gets exactly its own
+output-gradient (a module called twice in one forward sees its calls as extra
+positions). Gradient hooks only record while :meth:`CurvatureCollector.backward_pass`
+runs, so the user's own ``loss.backward()`` costs nothing extra. Module hooks do not
+run under ``torch.compile``: run the curvature forward eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+from torch import nn
+
+from ._mha import mha_forward
+from .modules import BatchNormOp, ModuleOp, make_op
+
+__all__ = ["SHAPES", "CurvatureCollector", "check_shape", "resolve_ignored"]
+
+SHAPES = ("full", "layer", "kron", "unit", "diag")
+_FULL_CHUNK = 1 << 22
+
+
+def check_shape(shape: str) -> str:
+    """Validate a representation name."""
+    if shape not in SHAPES:
+        raise ValueError(
+            f"Invalid curvature shape {shape!r}; allowed: {', '.join(SHAPES)}"
+        )
+    return shape
+
+
+def resolve_ignored(model: nn.Module, ignore_modules: Iterable) -> set[str]:
+    """Names of the modules to skip: each entry's whole subtree.
+
+    Entries may be module instances, module classes, or qualified names (as in
+    ``model.named_modules()``; a name also covers its dotted descendants).
+    """
+    if isinstance(ignore_modules, (str, nn.Module, type)):
+        ignore_modules = (ignore_modules,)
+    entries = list(ignore_modules)
+    names = dict(model.named_modules())
+    roots: set[str] = set()
+    for entry in entries:
+        if isinstance(entry, str):
+            if entry not in names:
+                raise ValueError(
+                    f"ignore_modules entry {entry!r} is not a module name of the model"
+                )
+            roots.add(entry)
+        elif isinstance(entry, type) and issubclass(entry, nn.Module):
+            roots.update(n for n, m in names.items() if isinstance(m, entry))
+        elif isinstance(entry, nn.Module):
+            found = [n for n, m in names.items() if m is entry]
+            if not found:
+                raise ValueError(
+                    f"ignore_modules entry {type(entry).__name__} is not in the model"
+                )
+            roots.update(found)
+        else:
+            raise TypeError(
+                "ignore_modules entries must be nn.Module instances, nn.Module classes "
+                f"or module names; got {type(entry).__name__}"
+            )
+    return {
+        n
+        for n in names
+        if any(n == r or r == "" or n.startswith(r + ".") for r in roots)
+    }
+
+
+def build_ops(
+    model: nn.Module, ignored: set[str], *, allow_batch_coupling: bool = False
+) -> dict[str, ModuleOp]:
+    """One op per non-ignored module owning trainable parameters."""
+    ops: dict[str, ModuleOp] = {}
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if name in ignored or name in ops:
+            continue
+        direct = list(module.named_parameters(recurse=False))
+        trainable = [p.requires_grad for _, p in direct]
+        if not any(trainable):
+            continue
+        if not all(trainable):
+            frozen = [n for n, p in direct if not p.requires_grad]
+            raise ValueError(
+                f"module {name!r} is partially frozen (requires_grad=False: {frozen}); "
+                "freeze all its parameters or list it in ignore_modules"
+            )
+        for _, p in direct:
+            if id(p) in owner and owner[id(p)] != name:
+                raise ValueError(
+                    f"modules {owner[id(p)]!r} and {name!r} share a parameter (tied "
+                    "weights); list one of them in ignore_modules"
+                )
+            owner[id(p)] = name
+        op = make_op(name, module)
+        if isinstance(op, BatchNormOp):
+            op.allow_batch_coupling = allow_batch_coupling
+        ops[name] = op
+    return ops
+
+
+class CurvatureCollector:
+    """Collect per-module curvature statistics from forward and gradient hooks.
+
+    Args:
+        model: the network; every module owning trainable parameters must be
+            supported (see :mod:`.modules`) or covered by ``ignore_modules``.
+        shapes: representations to accumulate, any of ``"full"``, ``"layer"``,
+            ``"kron"``, ``"unit"``, ``"diag"``.
+        ignore_modules: instances, classes or names of modules to skip (subtrees).
+        allow_batch_coupling: accept BatchNorm in training mode, treating its batch
+            statistics as constants (not exact; off for :func:`curvature`).
+        check_gradients: on the first pass after a forward, compare the sum of the
+            per-example gradients with autograd's parameter gradients and raise if a
+            module's parameters also receive gradient from outside its forward.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> collector = CurvatureCollector(model, shapes=("kron", "diag"))
+        >>> with collector:
+        ...     out = model(torch.randn(5, 3))
+        ...     collector.accumulate(out, [torch.ones(5, 2)])
+        >>> stats = collector.statistics()
+        >>> stats["0"]["A"][0].shape, stats["0"]["diag"].shape
+        (torch.Size([4, 4]), torch.Size([4, 4]))
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        shapes: Iterable[str] = ("kron",),
+        ignore_modules: Iterable = (),
+        allow_batch_coupling: bool = False,
+        check_gradients: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.shapes = tuple(check_shape(s) for s in shapes)
+        if not self.shapes:
+            raise ValueError("shapes must name at least one representation")
+        self.model = model
+        ignored = resolve_ignored(model, ignore_modules)
+        self.ops = build_ops(model, ignored, allow_batch_coupling=allow_batch_coupling)
+        self.check_gradients = check_gradients
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        offsets, start = {}, 0
+        for p in self.params:
+            offsets[id(p)] = start
+            start += p.numel()
+        self.numel = start
+        self.index = {
+            name: torch.cat(
+                [torch.arange(p.numel()) + offsets[id(p)] for p in op.params]
+            )
+            for name, op in self.ops.items()
+        }
+        tracked = set(self.ops)
+        self._mha = [
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, nn.MultiheadAttention)
+            and (name in tracked or f"{name}.out_proj" in tracked)
+        ]
+        self._handles: list = []
+        self._in_pass = False
+        self.reset()
+
+    # -- lifecycle ---------------------------------------------------------------
+    def attach(self) -> CurvatureCollector:
+        """Register the hooks (idempotent)."""
+        if self._handles:
+            return self
+        modules = dict(self.model.named_modules())
+        for name in self._mha:
+            hook = partial(self._on_mha_forward, name)
+            self._handles.append(
+                modules[name].register_forward_hook(hook, with_kwargs=True)
+            )
+        for name, op in self.ops.items():
+            if name in self._mha:
+                continue
+            hook = partial(self._on_forward, name)
+            self._handles.append(op.module.register_forward_hook(hook))
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; accumulated statistics are kept."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> CurvatureCollector:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def reset(self) -> None:
+        """Forget the recorded forward and every accumulated statistic."""
+        self._calls: dict[str, list] = {name: [] for name in self.ops}
+        self._acc: dict[str, dict] = {name: {} for name in self.ops}
+        self._full: torch.Tensor | None = None
+        self.n_passes = 0
+        self._checked = False
+
+    # -- hooks -------------------------------------------------------------------
+    def _record(self, name: str, args: tuple, output: object) -> None:
+        if not torch.is_grad_enabled():
+            return
+        feats, tensors = self.ops[name].record(args, output)
+        call = (feats, [None] * len(tensors))
+        self._calls[name].append(call)
+        for slot, tensor in enumerate(tensors):
+            if tensor.requires_grad:
+                tensor.register_hook(partial(self._on_grad, name, call, slot))
+
+    def _on_forward(self, name: str, module: nn.Module, args: tuple, output: object):
+        self._record(name, args, output)
+
+    def _on_mha_forward(self, name, module, args, kwargs, output):
+        result, taps = mha_forward(module, *args, **kwargs)
+        if name in self.ops:
+            self._record(name, (), taps)
+        return result  # replaces the module's output: the graph now runs through taps
+
+    def _on_grad(self, name: str, call: tuple, slot: int, grad: torch.Tensor) -> None:
+        if self._in_pass:
+            call[1][slot] = self.ops[name].grad_feature(slot, grad)
+
+    # -- passes ------------------------------------------------------------------
+    def accumulate(self, output: torch.Tensor, vectors: Iterable[torch.Tensor]) -> None:
+        """Run :meth:`backward_pass` for every vector."""
+        for vector in vectors:
+            self.backward_pass(output, vector)
+
+    def backward_pass(self, output: torch.Tensor, vector: torch.Tensor) -> None:
+        """Back-propagate ``vector`` from ``output`` and accumulate the statistics.
+
+        The graph is retained, so several passes may follow one forward; parameter
+        ``.grad`` fields are not touched.
+        """
+        if not self.ops:  # nothing tracked: the curvature is zero
+            self.n_passes += 1
+            return
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            raise ValueError("output must be a tensor attached to the autograd graph")
+        if tuple(vector.shape) != tuple(output.shape):
+            raise ValueError(
+                f"vector shape {tuple(vector.shape)} != output shape "
+                f"{tuple(output.shape)}"
+            )
+        for calls in self._calls.values():
+            for _, grads in calls:
+                grads[:] = [None] * len(grads)
+        tracked = [p for op in self.ops.values() for p in op.params]
+        self._in_pass = True
+        try:
+            grads = torch.autograd.grad(
+                output,
+                tracked,
+                grad_outputs=vector.to(output.dtype),
+                retain_graph=True,
+                allow_unused=True,
+            )
+        finally:
+            self._in_pass = False
+        data = {name: self.ops[name].combine(self._calls[name]) for name in self.ops}
+        batch = output.shape[0]
+        for name, sites in data.items():
+            if sites and self.ops[name].n_examples(sites) != batch:
+                raise ValueError(
+                    f"module {name!r} saw dim 0 of size "
+                    f"{self.ops[name].n_examples(sites)} but the batch has {batch} "
+                    "examples; every tracked module must see the batch in dim 0 "
+                    "(expand broadcast inputs, e.g. positions, to (N, T))"
+                )
+        if self.check_gradients and not self._checked:
+            self._check(data, tracked, grads)
+            self._checked = True
+        self._update(data)
+        self.n_passes += 1
+
+    def _check(self, data: dict, tracked: list, grads: tuple) -> None:
+        by_param = {id(p): g for p, g in zip(tracked, grads, strict=True)}
+        pairs = []
+        for name, op in self.ops.items():
+            auto = torch.cat(
+                [
+                    (
+                        by_param[id(p)]
+                        if by_param[id(p)] is not None
+                        else torch.zeros_like(p)
+                    )
+                    .to_dense()
+                    .reshape(-1)
+                    for p in op.params
+                ]
+            )
+            ours = torch.zeros_like(auto)
+            if data[name]:
+                for sl in op.chunks(data[name]):
+                    ours += op.per_example_flat(data[name], sl).sum(0).to(ours.dtype)
+            pairs.append((name, auto, ours))
+        scale = max(float(a.norm()) for _, a, _ in pairs) if pairs else 0.0
+        for name, auto, ours in pairs:
+            if float((auto - ours).norm()) > 1e-4 * scale + 1e-30:
+                raise ValueError(
+                    f"module {name!r}: its parameters receive gradient that its "
+                    "forward hooks did not see (used outside the module's forward, "
+                    "e.g. functionally or tied elsewhere); list it in ignore_modules"
+                )
+
+    def _update(self, data: dict) -> None:
+        for name, op in self.ops.items():
+            sites = data[name]
+            if not sites:
+                continue
+            acc = self._acc[name]
+            if "diag" in self.shapes:
+                _add(acc, "diag", op.diag(sites))
+            if "unit" in self.shapes or ("kron" in self.shapes and not op.kron_capable):
+                _add(acc, "unit", op.unit(sites))
+            if "kron" in self.shapes and op.kron_capable:
+                for i, b in enumerate(op.kron_b(sites)):
+                    _add(acc, f"B{i}", b)
+            if "layer" in self.shapes:
+                for sl in op.chunks(sites):
+                    g = op.per_example_flat(sites, sl)
+                    _add(acc, "layer", g.T @ g)
+        if "full" in self.shapes:
+            self._update_full(data)
+
+    def _update_full(self, data: dict) -> None:
+        live = {n: d for n, d in data.items() if d}
+        if not live:
+            return
+        sizes = {self.ops[n].n_examples(d) for n, d in live.items()}
+        if len(sizes) != 1:
+            raise ValueError(f"modules saw different batch sizes {sorted(sizes)}")
+        n = sizes.pop()
+        step = max(1, _FULL_CHUNK // max(1, self.numel))
+        for start in range(0, n, step):
+            sl = slice(start, min(n, start + step))
+            g = None
+            for name, sites in live.items():
+                part = self.ops[name].per_example_flat(sites, sl)
+                if g is None:
+                    g = part.new_zeros(part.shape[0], self.numel)
+                g[:, self.index[name]] = part
+            if self._full is None:
+                self._full = g.new_zeros(self.numel, self.numel)
+            self._full += g.T @ g
+
+    # -- results -----------------------------------------------------------------
+    def statistics(self) -> dict[str, dict]:
+        """Per-module accumulated tensors.
+
+        Keys per module name: ``"diag"`` (canonical ``(R, U)``), ``"unit"``
+        (``(R, U, U)``), ``"layer"`` (``(P_m, P_m)``), ``"A"`` / ``"B"`` (lists, one per
+        site, for kron-capable modules) and ``"rows"`` (canonical rows per site).
+        A key is missing when the module saw no gradient. The full matrix is
+        :attr:`full`.
+        """
+        out: dict[str, dict] = {}
+        for name, op in self.ops.items():
+            stats = dict(self._acc[name])
+            if "kron" in self.shapes and op.kron_capable and self._calls[name]:
+                stats["A"] = op.kron_a(self._calls[name])
+                stats["rows"] = op.site_rows(self._calls[name])
+                stats["B"] = [stats.pop(f"B{i}", None) for i in range(len(stats["A"]))]
+            out[name] = stats
+        return out
+
+    @property
+    def full(self) -> torch.Tensor | None:
+        """The accumulated ``(P, P)`` matrix over ``self.params`` ("full" shape)."""
+        return self._full
+
+
+def _add(acc: dict, key: str, value: torch.Tensor) -> None:
+    acc[key] = value if key not in acc else acc[key] + value

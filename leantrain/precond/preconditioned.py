@@ -1,0 +1,390 @@
+"""The preconditioned gradient maker: scheduling, module selection, EMA, state.
+
+Every preconditioning method (K-FAC, Shampoo, the diagonal empirical Fisher, ...)
+subclasses :class:`PreconditionedGradientMaker` and implements four things:
+which modules it handles (:meth:`~PreconditionedGradientMaker.is_supported`), how
+the curvature is computed from a forward/backward pass
+(:meth:`~PreconditionedGradientMaker.update_curvature`, with module hooks registered
+by :meth:`~PreconditionedGradientMaker.curvature_hooks` or a custom
+``_curvature_pass``), how the preconditioner follows from the curvature
+(:meth:`~PreconditionedGradientMaker.update_preconditioner`), and how it is applied to
+``.grad`` (:meth:`~PreconditionedGradientMaker.precondition`). The base decides when.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from leantrain.precond._checks import (
+    check_ignore_modules,
+    check_int,
+    check_open_unit,
+    check_positive_float,
+)
+from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
+
+__all__ = ["PreconditionedGradientMaker", "PreconditioningConfig", "is_due"]
+
+
+def is_due(step: int, interval: int, warmup_steps: int) -> bool:
+    """Whether an update scheduled every ``interval`` steps runs at ``step`` (0-based).
+
+    Every step during warm-up, then on steps ``warmup, warmup + interval, ...``.
+    """
+    return step < warmup_steps or (step - warmup_steps) % interval == 0
+
+
+@dataclass(frozen=True)
+class PreconditioningConfig:
+    """When curvature and preconditioner are updated, and how they are damped.
+
+    Frozen (use ``dataclasses.replace`` for a variant, which validates again).
+    Rules (checked in ``__post_init__``, ``ValueError`` otherwise):
+
+    - ``preconditioner_interval`` is a multiple of ``curvature_interval``, so every
+      preconditioner update sees a curvature computed at that very step (a larger
+      curvature interval would rebuild the same preconditioner from stale curvature).
+    - With ``ema_decay=None`` (replace) the two intervals are equal: a curvature
+      computed between preconditioner updates would be overwritten unused.
+
+    Example:
+        >>> from leantrain.precond import PreconditioningConfig
+        >>> cfg = PreconditioningConfig(
+        ...     curvature_interval=10, preconditioner_interval=100,
+        ...     ema_decay=0.95, warmup_steps=5)
+        >>> [cfg.curvature_due(s) for s in (0, 4, 5, 6, 15)]
+        [True, True, True, False, True]
+    """
+
+    # Steps between curvature updates after warm-up.
+    curvature_interval: int = 1
+    # Steps between preconditioner updates; a multiple of curvature_interval.
+    preconditioner_interval: int = 1
+    # Steps at the start where both are updated every step.
+    warmup_steps: int = 0
+    # Added to the curvature before it is inverted; > 0.
+    damping: float = 1e-7
+    # None: each curvature replaces the last; in (0, 1): bias-corrected EMA.
+    ema_decay: float | None = None
+    # Module instances, nn.Module classes or name substrings (whole subtrees).
+    ignore_modules: tuple = ()
+    # If set, forward_and_backward raises once this many steps have run.
+    num_total_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("curvature_interval", self.curvature_interval, minimum=1)
+        check_int("preconditioner_interval", self.preconditioner_interval, minimum=1)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_positive_float("damping", self.damping)
+        if self.ema_decay is not None:
+            check_open_unit("ema_decay", self.ema_decay)
+        # Frozen: validated once, so normalise through object.__setattr__.
+        entries = check_ignore_modules(self.ignore_modules)
+        object.__setattr__(self, "ignore_modules", entries)
+        if self.num_total_steps is not None:
+            check_int("num_total_steps", self.num_total_steps, minimum=1)
+            if self.warmup_steps > self.num_total_steps:
+                raise ValueError(
+                    f"warmup_steps={self.warmup_steps} exceeds "
+                    f"num_total_steps={self.num_total_steps}"
+                )
+        if self.preconditioner_interval % self.curvature_interval:
+            raise ValueError(
+                f"preconditioner_interval={self.preconditioner_interval} must be a "
+                f"multiple of curvature_interval={self.curvature_interval}: otherwise "
+                "preconditioners are rebuilt from curvature that has not changed."
+            )
+        if (
+            self.ema_decay is None
+            and self.preconditioner_interval != self.curvature_interval
+        ):
+            raise ValueError(
+                f"with ema_decay=None each curvature replaces the last, so curvature "
+                f"computed every {self.curvature_interval} steps but used every "
+                f"{self.preconditioner_interval} would be discarded unused; set "
+                "curvature_interval == preconditioner_interval or give an ema_decay."
+            )
+
+    def curvature_due(self, step: int) -> bool:
+        """Whether the curvature is updated at ``step``."""
+        return is_due(step, self.curvature_interval, self.warmup_steps)
+
+    def preconditioner_due(self, step: int) -> bool:
+        """Whether the preconditioner is updated at ``step``."""
+        return is_due(step, self.preconditioner_interval, self.warmup_steps)
+
+
+class PreconditionedGradientMaker(GradientMaker, abc.ABC):
+    """Base of every preconditioned gradient maker.
+
+    ``forward_and_backward()`` runs, at step ``s``: the forward and backward (as the
+    curvature pass when curvature is due, which also yields the loss gradient), then
+    :meth:`update_curvature` if due, :meth:`update_preconditioner` if due, and
+    :meth:`precondition` every step, which rewrites ``.grad`` in place. Between
+    updates the last preconditioner is reused. Counters ``step``,
+    ``curvature_updates`` and ``preconditioner_updates`` are saved by
+    :meth:`state_dict`.
+
+    Args:
+        model: the module to train (may be wrapped in ``DistributedDataParallel``;
+            module names are those of the wrapped module, without ``module.``).
+        config: the schedule; ``PreconditioningConfig()`` if ``None``.
+
+    Raises:
+        TypeError: if ``config`` is not a :class:`PreconditioningConfig`.
+        ValueError: if ``config.ignore_modules`` names a module instance that is not
+            in the model, or no supported module is left to precondition.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from leantrain.precond import (
+        ...     DiagonalEmpiricalFisherGradientMaker, PreconditioningConfig)
+        >>> # The concrete diagonal empirical Fisher maker shows the schedule.
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 3))
+        >>> gm = DiagonalEmpiricalFisherGradientMaker(
+        ...     model, PreconditioningConfig(damping=1e-3))
+        >>> x, t = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> y = gm.setup_model_call(model, x)
+        >>> gm.setup_loss_call(F.cross_entropy, y, t)
+        >>> output, loss = gm.forward_and_backward()
+        >>> gm.step, gm.curvature_updates, gm.preconditioner_updates
+        (1, 1, 1)
+    """
+
+    def __init__(
+        self, model: nn.Module, config: PreconditioningConfig | None = None
+    ) -> None:
+        super().__init__(model)
+        config = PreconditioningConfig() if config is None else config
+        if not isinstance(config, PreconditioningConfig):
+            raise TypeError(
+                f"config must be a PreconditioningConfig, got {type(config).__name__}"
+            )
+        self.config = config
+        self.step = 0
+        self.curvature_updates = 0
+        self.preconditioner_updates = 0
+        self._ema: dict[str, Tensor] = {}
+        self._ema_counts: dict[str, int] = {}
+        inner = unwrap_model(model)
+        members = {id(m) for m in inner.modules()}
+        for entry in config.ignore_modules:
+            if isinstance(entry, nn.Module) and id(entry) not in members:
+                raise ValueError(
+                    f"ignore_modules contains a {type(entry).__name__} instance that "
+                    "is not a submodule of the model"
+                )
+        if next(self.modules(), None) is None:
+            supported = [
+                n or "<root>" for n, m in inner.named_modules() if self.is_supported(m)
+            ]
+            raise ValueError(
+                f"{type(self).__name__}: no module left to precondition. Supported "
+                f"modules in the model: {supported or 'none'}; "
+                f"ignore_modules={config.ignore_modules!r}."
+            )
+
+    # -- what subclasses define ---------------------------------------------------
+    @abc.abstractmethod
+    def is_supported(self, module: nn.Module) -> bool:
+        """Whether this method preconditions ``module``'s own parameters.
+
+        Called from ``__init__`` (to reject a config that leaves nothing to do), so
+        set what it needs before calling ``super().__init__``.
+        """
+
+    @abc.abstractmethod
+    def update_curvature(self) -> None:
+        """Compute the curvature from what the last curvature pass collected."""
+
+    @abc.abstractmethod
+    def update_preconditioner(self) -> None:
+        """Rebuild the preconditioner from the current curvature."""
+
+    @abc.abstractmethod
+    def precondition(self) -> None:
+        """Replace ``.grad`` of the selected modules by the preconditioned gradient."""
+
+    def curvature_hooks(self) -> contextlib.AbstractContextManager:
+        """Context active during the curvature pass: register module hooks here.
+
+        The default registers nothing. Subclasses that need per-example inputs or
+        output gradients return a context manager that adds the hooks on entry and
+        removes them on exit.
+        """
+        return contextlib.nullcontext()
+
+    def _curvature_pass(self) -> tuple[Any, Tensor]:
+        """Forward + backward that also collects curvature data (hooks active)."""
+        with self.curvature_hooks():
+            return self._forward_backward()
+
+    # -- module selection -----------------------------------------------------------
+    def modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """Yield ``(name, module)`` for supported modules not ignored by the config.
+
+        A module is ignored if it, or a module containing it, is an ignored instance
+        or an instance of an ignored class, or if its name contains an ignored
+        substring.
+        """
+        entries = self.config.ignore_modules
+        names = [e for e in entries if isinstance(e, str)]
+        types = tuple(e for e in entries if isinstance(e, type))
+        instances = {id(e) for e in entries if isinstance(e, nn.Module)}
+        seen: set[int] = set()  # a module registered twice is preconditioned once
+
+        def walk(name: str, module: nn.Module, ignored: bool):
+            if id(module) in seen:
+                return
+            seen.add(id(module))
+            ignored = (
+                ignored
+                or id(module) in instances
+                or isinstance(module, types)
+                or any(s in name for s in names)
+            )
+            if not ignored and self.is_supported(module):
+                yield name, module
+            for child_name, child in module.named_children():
+                yield from walk(
+                    f"{name}.{child_name}" if name else child_name, child, ignored
+                )
+
+        yield from walk("", unwrap_model(self.model), False)
+
+    # -- the step ------------------------------------------------------------------
+    def forward_and_backward(self) -> tuple[Any, Tensor]:
+        """One step: forward/backward, due updates, then :meth:`precondition`.
+
+        Returns:
+            ``(output, loss)``, as :meth:`GradientMaker.forward_and_backward`.
+
+        Raises:
+            RuntimeError: before setup, or once ``config.num_total_steps`` steps ran.
+        """
+        self._check_ready()
+        total = self.config.num_total_steps
+        if total is not None and self.step >= total:
+            raise RuntimeError(
+                f"num_total_steps={total} steps have run; raise num_total_steps in the "
+                "config (or set it to None) to keep training."
+            )
+        curvature_due = self.config.curvature_due(self.step)
+        preconditioner_due = self.config.preconditioner_due(self.step)
+        if curvature_due:
+            output, loss = self._curvature_pass()
+            self.update_curvature()
+            self.curvature_updates += 1
+        else:
+            output, loss = self._forward_backward()
+        if preconditioner_due:
+            self.update_preconditioner()
+            self.preconditioner_updates += 1
+        self.precondition()
+        self.step += 1
+        return output, loss
+
+    # -- helpers for subclasses ----------------------------------------------------
+    def _ema_update(self, name: str, value: Tensor) -> Tensor:
+        r"""Fold ``value`` into the running curvature ``name``; return the estimate.
+
+        With ``ema_decay=None`` the estimate is ``value``. Otherwise
+        :math:`m_t = \beta m_{t-1} + (1-\beta) x_t` (:math:`m_0 = 0`) and the estimate
+        is :math:`m_t / (1 - \beta^t)`, so the first update returns ``value`` itself.
+        """
+        decay = self.config.ema_decay
+        if decay is None:
+            self._ema[name] = value
+            self._ema_counts[name] = 1
+            return value
+        acc = self._ema.get(name)
+        acc = value * (1 - decay) if acc is None else acc * decay + value * (1 - decay)
+        count = self._ema_counts.get(name, 0) + 1
+        self._ema[name], self._ema_counts[name] = acc, count
+        return acc / (1 - decay**count)
+
+    def _process_group(self) -> Any:
+        """The DDP process group to average over, or ``None`` on a single process."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            group = self.model.process_group
+            return group if dist.get_world_size(group) > 1 else None
+        return None
+
+    def _all_reduce_mean(self, tensors: list[Tensor]) -> None:
+        """Average ``tensors`` in place over the DDP group (as DDP does for grads)."""
+        group = self._process_group()
+        if group is None or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    # -- state -----------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        """Subclass state (e.g. preconditioner tensors) saved by :meth:`state_dict`."""
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`_extra_state` returned."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, EMA buffers and the subclass's preconditioner state."""
+        return {
+            "step": self.step,
+            "curvature_updates": self.curvature_updates,
+            "preconditioner_updates": self.preconditioner_updates,
+            "ema": dict(self._ema),
+            "ema_counts": dict(self._ema_counts),
+            "extra": self._extra_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (tensors are copied).
+
+        Raises:
+            ValueError / TypeError: if ``state`` does not have the layout of
+                :meth:`state_dict` (nothing is changed then).
+        """
+        expected = {"step", "curvature_updates", "preconditioner_updates"}
+        expected |= {"ema", "ema_counts", "extra"}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must have the keys {sorted(expected)}, got {got}")
+        counters = ("step", "curvature_updates", "preconditioner_updates")
+        for key in counters:
+            check_int(f"state[{key!r}]", state[key], minimum=0)
+        for key in ("ema", "ema_counts", "extra"):
+            if not isinstance(state[key], dict):
+                raise TypeError(f"state[{key!r}] must be a dict, got {state[key]!r}")
+        for name, value in state["ema"].items():
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"state['ema'][{name!r}] must be a tensor, got {value!r}"
+                )
+            check_int(
+                f"state['ema_counts'][{name!r}]",
+                state["ema_counts"].get(name),
+                minimum=1,
+            )
+        self._load_extra_state(state["extra"])  # validates before it assigns
+        self.step, self.curvature_updates, self.preconditioner_updates = (
+            state[key] for key in counters
+        )
+        self._ema = {k: v.clone() for k, v in state["ema"].items()}
+        self._ema_counts = {k: state["ema_counts"][k] for k in state["ema"]}

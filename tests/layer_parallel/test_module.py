@@ -1,0 +1,278 @@
+"""LayerParallel on the reference models: exact against the models' own serial
+ResidualStack (output, input gradient, every parameter gradient), accumulation,
+serial/parallel switching, dropout determinism, convergence and divergence reports."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+
+import pytest
+import torch
+from torch import nn
+
+import leantrain.layer_parallel as lp_pkg
+from leantrain.layer_parallel import LayerParallel, MGRITDivergenceError
+from leantrain.models import (
+    BERT,
+    GPT,
+    BERTConfig,
+    EncDecConfig,
+    EncoderDecoder,
+    GPTConfig,
+    ResidualStack,
+    TransformerBlock,
+    ViT,
+    ViTConfig,
+)
+
+D = 16
+
+
+def _model(kind: str, n: int, seed: int = 0, dropout: float = 0.0):
+    """A float64 model with ``n`` ODE steps (h = 1/n) and one batch of inputs."""
+    torch.manual_seed(seed)
+    kw = dict(n_head=2, d_model=D, t_final=1.0, dropout=dropout)
+    if kind == "gpt":
+        m = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=n, **kw))
+        inputs = (torch.randint(0, 11, (2, 6)),)
+    elif kind == "bert":
+        cfg = BERTConfig(vocab_size=12, mask_token_id=11, block_size=8, n_layer=n, **kw)
+        m = BERT(cfg)
+        inputs = (torch.randint(0, 12, (2, 6)),)
+    elif kind == "vit":
+        m = ViT(ViTConfig(image_size=4, patch_size=2, n_layer=n, **kw))
+        inputs = (torch.randn(2, 1, 4, 4, dtype=torch.float64),)
+    else:
+        cfg = EncDecConfig(
+            src_vocab_size=7, tgt_vocab_size=7, max_len=8, n_layer=n // 2, **kw
+        )
+        m = EncoderDecoder(cfg)
+        inputs = (torch.randint(0, 7, (2, 5)), torch.randint(0, 7, (2, 4)))
+    m.double()
+    # Weights far larger than the 0.02 init: blocks far from the identity, so a
+    # wrong MGRIT iteration count shows up in the comparison.
+    for mod in m.stack.modules():
+        if isinstance(mod, nn.Linear):
+            nn.init.normal_(mod.weight, std=0.5 / D**0.5)
+    return m, inputs
+
+
+def _loss_and_grads(model, inputs, seed=1):
+    out = model(*inputs)
+    torch.manual_seed(seed)
+    loss = (out * torch.randn_like(out)).sum()
+    loss.backward()
+    return out.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _parallel(model, **kw):
+    par = copy.deepcopy(model)
+    par.stack = LayerParallel(par.stack.steps, t_final=1.0, **kw)
+    return par
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert", "vit", "encdec"])
+@pytest.mark.parametrize("levels,cf,n", [(2, 2, 8), (2, 4, 16), (3, 2, 8), (3, 4, 16)])
+def test_exact_against_serial_model(kind, levels, cf, n):
+    model, inputs = _model(kind, n)
+    iters = n // (2 * cf)
+    par = _parallel(
+        model,
+        levels=levels,
+        cf=cf,
+        fwd_iters=iters,
+        bwd_iters=iters,
+        skip_downcycle=False,
+    )
+    out, grads = _loss_and_grads(model, inputs)
+    pout, pgrads = _loss_and_grads(par, inputs)
+    assert (out - pout).abs().max() < 1e-10
+    assert grads.keys() == pgrads.keys()  # same parameter names: a drop-in stack
+    for name, g in grads.items():  # embeddings included: the input gradient flowed
+        assert (g - pgrads[name]).abs().max() < 1e-10, name
+    assert par.stack.stats.forward.converged and par.stack.stats.backward.converged
+
+
+def test_too_few_iterations_are_not_exact():
+    model, inputs = _model("gpt", 16)
+    out, grads = _loss_and_grads(model, inputs)
+    par = _parallel(model, cf=2, fwd_iters=1, bwd_iters=1)
+    pout, pgrads = _loss_and_grads(par, inputs)
+    assert (out - pout).abs().max() > 1e-6
+    assert max((g - pgrads[k]).abs().max() for k, g in grads.items()) > 1e-6
+
+
+def test_gradient_accumulation_over_micro_batches():
+    model, (idx,) = _model("gpt", 8)
+    par = _parallel(model, cf=2, fwd_iters=2, bwd_iters=1)  # inexact on purpose
+    par(idx).pow(2).sum().backward()
+    whole = {k: p.grad.clone() for k, p in par.named_parameters()}
+    par.zero_grad()
+    for half in (idx[:1], idx[1:]):
+        par(half).pow(2).sum().backward()
+    for k, p in par.named_parameters():
+        assert (p.grad - whole[k]).abs().max() < 1e-12, k
+    par(idx).pow(2).sum().backward()  # accumulates on top, never overwrites
+    for k, p in par.named_parameters():
+        assert (p.grad - 2 * whole[k]).abs().max() < 1e-12, k
+
+
+def test_serial_parallel_switch_in_place():
+    model, (idx,) = _model("bert", 8)
+    par = _parallel(model, cf=2, fwd_iters=2, bwd_iters=2, skip_downcycle=False)
+    stack = par.stack
+    opt = torch.optim.SGD(par.parameters(), lr=0.1)
+    for mode in ("parallel", "serial", "parallel"):
+        getattr(stack, mode)()
+        opt.zero_grad()
+        par(idx).pow(2).mean().backward()
+        assert stack.stats.mode == mode
+        assert stack.mode == mode
+        opt.step()
+    # after three optimizer steps the two modes still compute the same function
+    with torch.no_grad():
+        a = par(idx)
+        stack.serial()
+        b = par(idx)
+    assert (a - b).abs().max() < 1e-10
+    assert stack.stats.serial_steps == 8 and stack.stats.forward is None
+
+
+def test_dropout_masks_repeat_within_a_batch():
+    model, (idx,) = _model("gpt", 8, dropout=0.3)
+    par = _parallel(model, cf=2, fwd_iters=2, bwd_iters=2, skip_downcycle=False)
+    par.train()
+    torch.manual_seed(5)
+    out_p, grads_p = _loss_and_grads(par, (idx,))
+    par.zero_grad()
+    par.stack.serial()
+    torch.manual_seed(5)
+    out_s, grads_s = _loss_and_grads(par, (idx,))
+    # MGRIT re-evaluates every layer many times; its fixed point equals serial
+    # execution only if each layer sees one mask per batch.
+    assert (out_p - out_s).abs().max() < 1e-10
+    for k, g in grads_s.items():
+        assert (g - grads_p[k]).abs().max() < 1e-10, k
+    torch.manual_seed(6)
+    out_other, _ = _loss_and_grads(par, (idx,))
+    assert (out_other - out_s).abs().max() > 1e-3  # a new batch draws new masks
+
+
+def _blocks(n, seed=0):
+    torch.manual_seed(seed)
+    return [TransformerBlock(8, 2) for _ in range(n)]
+
+
+def test_convergence_on_random_pre_ln_blocks():
+    n = 64
+    stack = LayerParallel(_blocks(n), cf=4, levels=2).double()
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        ref = stack.serial()(x)
+        stack.parallel()
+        errors = []
+        for iters in (1, 2, 3, 4):
+            stack.fwd_options = type(stack.fwd_options)(2, 4, iters)
+            errors.append((stack(x) - ref).norm().item() / ref.norm().item())
+    factors = stack.stats.forward.factors
+    assert len(factors) == 3 and max(factors) < 0.1, factors
+    assert all(b < a for a, b in zip(errors, errors[1:], strict=False)), errors
+    assert stack.stats.forward.converged is True
+
+
+def test_h_equal_one_reports_non_convergence():
+    n = 64
+    kw = dict(t_final=float(n), cf=4, fwd_iters=4)  # h = 1: a plain ResNet
+    stack = LayerParallel(_blocks(n), **kw).double()
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="did not converge"):
+        stack(x)
+    assert stack.stats.forward.converged is False
+    loud = LayerParallel(_blocks(n), on_divergence="raise", **kw).double()
+    with torch.no_grad(), pytest.raises(MGRITDivergenceError, match="h = 1"):
+        loud(x)
+
+
+def test_stats_count_work_per_cost_model():
+    stack = LayerParallel(
+        _blocks(16), cf=2, fwd_iters=3, bwd_iters=2, chunks=2
+    ).double()
+    x = torch.randn(1, 3, 8, dtype=torch.float64, requires_grad=True)
+    stack(x).sum().backward()
+    fwd, bwd = stack.stats.forward, stack.stats.backward
+    assert fwd.iterations == 3 and bwd.iterations == 2
+    assert len(fwd.residuals) == 2 and len(bwd.residuals) == 1  # first cycle skipped
+    layout, nu = stack.layout, stack.fwd_options.relax
+    assert fwd.critical_path == [
+        lp_pkg.skipped_cycle_work(layout),
+        *[lp_pkg.vcycle_work(layout, nu)] * 2,
+    ]
+    assert stack.stats.layer_steps == fwd.total_work + bwd.total_work
+
+
+def test_eval_without_grad_matches_training_output():
+    stack = LayerParallel(_blocks(8), cf=2).double()
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        a = stack(x)
+    b = stack(x.requires_grad_())
+    assert a.grad_fn is None and b.grad_fn is not None
+    assert torch.equal(a, b.detach())
+
+
+def test_warm_start_reuses_previous_trajectory():
+    stack = LayerParallel(_blocks(16), cf=2, warm_start=True).double()
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        stack(x)
+        cold_final = stack.stats.forward.final_residual
+        stack(x)  # same batch: the guess is already the answer
+    warm = stack.stats.forward
+    assert len(warm.residuals) == 2  # no skipped cycle on a warm start
+    assert warm.final_residual < 1e-3 * cold_final
+    with torch.no_grad():
+        stack(torch.randn(2, 3, 8, dtype=torch.float64))  # new shape: cold again
+    assert len(stack.stats.forward.residuals) == 1
+
+
+def test_accepts_residual_stack_and_keeps_state_dict_keys():
+    rs = ResidualStack(_blocks(8), t_final=1.0)
+    stack = LayerParallel(rs, cf=2)
+    assert stack.state_dict().keys() == rs.state_dict().keys()
+    assert stack.dt == rs.dt == 1 / 8
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(t_final=0.0), ValueError, "t_final must be finite and > 0"),
+        (dict(on_divergence="loud"), ValueError, "on_divergence must be one of"),
+        (dict(chunks=3), ValueError, "divisible by chunks=3"),
+        (dict(cf=4, levels=3), ValueError, "cf\\*\\*\\(levels-1\\)=4\\*\\*2=16"),
+        (dict(relax=(1, 1)), ValueError, "relax needs one entry"),
+        (dict(fwd_iters=0), ValueError, "iterations must be >= 1"),
+    ],
+)
+def test_option_errors(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        LayerParallel(_blocks(8), **{"cf": 2, **kwargs})
+
+
+def test_input_errors():
+    with pytest.raises(TypeError, match="have .steps"):
+        LayerParallel(nn.Linear(2, 2))
+    stack = LayerParallel(_blocks(8), cf=2)
+    with pytest.raises(TypeError, match="floating Tensor"):
+        stack(torch.ones(2, 3, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["ode", "schedule", "module", "mgrit", "adjoint"],
+    ids=lambda m: f"leantrain.layer_parallel.{m}",
+)
+def test_docstring_examples_run(module):
+    mod = getattr(lp_pkg, module)
+    result = doctest.testmod(mod, extraglobs={"torch": torch})
+    assert result.failed == 0 and result.attempted > 0

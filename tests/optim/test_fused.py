@@ -1,0 +1,411 @@
+"""Tests of Gefen's fused step: the C kernel and the chunked PyTorch fallback.
+
+Every path is compared with ``_step.reference_step`` (the definition) and with an
+independent brute-force reading of docs/CONTRACTS.md written here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from leantrain.optim import _fused, _native, _quant_table, _torch_step
+from leantrain.optim._state import new_state
+from leantrain.optim._step import reference_step
+from leantrain.optim.quant import NearestCode
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, maximize=False)
+SHAPES = [(1, 1), (1001, 7), (999, 1), (4096, 64), (3001, 3001), (20000, 100)]
+
+
+def codebook(bits: int, power: float = 1.7) -> torch.Tensor:
+    """A sorted, non-uniform codebook with the end codes pinned to -1 and +1."""
+    t = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+    return (t.sign() * t.abs() ** power).float()
+
+
+def copy_state(state: dict) -> dict:
+    return {k: (v if k == "codebook" else v.clone()) for k, v in state.items()}
+
+
+def codes_of(state: dict, n: int) -> torch.Tensor:
+    """The state's codes, one per element (4-bit: element 2i is the low nibble)."""
+    raw = state["exp_avg_codes"]
+    if state["codebook"].numel() == 256:
+        return raw.clone()
+    return torch.stack([raw & 15, raw >> 4], dim=1).reshape(-1)[:n]
+
+
+def exact_nearest(x: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+    """Index of the code nearest each x, ties to the lower code, decided exactly.
+
+    float64 distances settle all but near-ties (a denormal x next to a midpoint at
+    0 ties in float64); those are decided with exact rationals.
+    """
+    dist = (x.double()[:, None] - cb.double()[None, :]).abs()
+    best = dist.argmin(dim=1)
+    near = (dist - dist.min(dim=1, keepdim=True).values) <= 1e-12
+    for i in torch.nonzero(near.sum(dim=1) > 1).flatten().tolist():
+        xi = Fraction(float(x[i]))
+        cands = torch.nonzero(near[i]).flatten().tolist()
+        best[i] = min(cands, key=lambda j: (abs(xi - Fraction(float(cb[j]))), j))
+    return best
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
+    """Largest |a - b| in units of the fp32 spacing at ``scale``."""
+    spacing = torch.from_numpy(np.spacing(scale.abs().numpy().astype(np.float32)))
+    return float(((a - b).abs() / spacing).max())
+
+
+@pytest.fixture(params=["c", "torch"])
+def backend(request, monkeypatch):
+    """Runs a test on the C kernel and on the PyTorch fallback."""
+    if request.param == "torch":
+        monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    else:
+        monkeypatch.delenv("LEANTRAIN_NO_NATIVE", raising=False)
+        if _native.compiler() is None:
+            pytest.skip("no C compiler on this machine: only the fallback can run")
+        assert _fused.backend() == "c", _native.status()
+    assert _fused.backend() == request.param
+    return request.param
+
+
+def random_state(n: int, period: int, bits: int | None, seed: int) -> dict:
+    """A state after some training: random codes, absmax and v (m != 0)."""
+    g = torch.Generator().manual_seed(seed)
+    state = new_state(torch.empty(n), period, bits, codebook(bits) if bits else None)
+    state["step"] += 3
+    state["exp_avg_sq"].copy_(torch.rand(state["exp_avg_sq"].shape, generator=g) * 0.1)
+    if bits is None:
+        state["exp_avg"].normal_(generator=g)
+        return state
+    codes = torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.uint8)
+    if bits == 4:
+        codes = torch.cat([codes, codes.new_zeros(n % 2)])
+        codes = codes[0::2] | (codes[1::2] << 4)
+    state["exp_avg_codes"].copy_(codes)
+    state["exp_avg_absmax"].copy_(
+        torch.rand(state["exp_avg_absmax"].shape, generator=g)
+    )
+    return state
+
+
+@pytest.mark.parametrize("bits", [8, 4, None])
+@pytest.mark.parametrize("n,period", SHAPES)
+def test_matches_reference_step(backend, bits, n, period):
+    """fused_step == reference_step to fp32 rounding, step after step."""
+    torch.manual_seed(n + period)
+    param = torch.randn(n)
+    state = random_state(n, period, bits, seed=n)
+    mismatches = 0
+    for step in range(3):
+        hyper = dict(HYPER, maximize=step == 1, weight_decay=0.1 * (step != 2))
+        grad = torch.randn(n) * (1 + torch.arange(n) % 5)
+        mine, ref = copy_state(state), copy_state(state)
+        p_mine, p_ref = param.clone(), param.clone()
+        _fused.fused_step(p_mine, grad, mine, **hyper)
+        reference_step(p_ref, grad, ref, **hyper)
+        assert float(mine["step"]) == float(ref["step"]) == float(state["step"]) + 1
+        torch.testing.assert_close(
+            mine["exp_avg_sq"], ref["exp_avg_sq"], rtol=1e-6, atol=0
+        )
+        if bits is None:
+            torch.testing.assert_close(
+                mine["exp_avg"], ref["exp_avg"], rtol=1e-6, atol=1e-7
+            )
+        else:
+            torch.testing.assert_close(
+                mine["exp_avg_absmax"], ref["exp_avg_absmax"], rtol=1e-6, atol=0
+            )
+            diff = codes_of(mine, n).int() - codes_of(ref, n).int()
+            assert int(diff.abs().max()) <= 1
+            mismatches += int((diff != 0).sum())
+        if mismatches == 0:  # same codes: same update up to a few roundings
+            scale = torch.maximum(p_ref.abs(), (p_ref - param).abs())
+            assert ulps(p_mine, p_ref, scale) <= 8
+        param, state = p_ref, ref  # next step from the reference's result
+    # codes may differ only where m / absmax sits within rounding of a midpoint
+    assert mismatches <= max(1, 3 * n // 10_000)
+
+
+def contract_step(param, grad, state, *, lr, beta1, beta2, eps, weight_decay, maximize):
+    """docs/CONTRACTS.md read literally: brute-force nearest code in float64."""
+    n, p = param.numel(), int(state["period"])
+    g = -grad if maximize else grad
+    state["step"] += 1
+    t = float(state["step"])
+    blocks = torch.arange(n) // p
+    sums = torch.zeros(state["exp_avg_sq"].numel(), dtype=torch.float64)
+    sums.index_add_(0, blocks, (g * g).double())
+    counts = torch.bincount(blocks).double()
+    v = state["exp_avg_sq"] * beta2 + (1 - beta2) * (sums / counts).float()
+    state["exp_avg_sq"] = v
+    param.mul_(1 - lr * weight_decay)
+    cb = state["codebook"]
+    qb = torch.arange(n) // int(state["qblock"])
+    m = torch.lerp(
+        cb[codes_of(state, n).long()] * state["exp_avg_absmax"][qb], g, 1 - beta1
+    )
+    absmax = torch.zeros_like(state["exp_avg_absmax"]).scatter_reduce_(
+        0, qb, m.abs(), "amax", include_self=False
+    )
+    x = torch.where(absmax[qb] > 0, m / absmax[qb], torch.zeros_like(m))
+    codes = exact_nearest(x, cb)  # ties go to the lower code
+    deq = cb[codes] * absmax[qb]
+    denom = (
+        v.sqrt()[blocks if p > 1 else torch.arange(n)] / math.sqrt(1 - beta2**t) + eps
+    )
+    param.sub_(lr / (1 - beta1**t) * deq / denom)
+    return codes, absmax
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,period", [(1001, 7), (999, 1), (777, 777)])
+def test_matches_contract_brute_force(backend, bits, n, period):
+    """An independent reading of the contract: codes equal, params within roundings."""
+    state = random_state(n, period, bits, seed=7)
+    param, grad = torch.randn(n), torch.randn(n)
+    mine, ref = copy_state(state), copy_state(state)
+    p_mine, p_ref = param.clone(), param.clone()
+    _fused.fused_step(p_mine, grad, mine, **HYPER)
+    codes, absmax = contract_step(p_ref, grad, ref, **HYPER)
+    torch.testing.assert_close(mine["exp_avg_absmax"], absmax, rtol=1e-6, atol=0)
+    assert int((codes_of(mine, n).long() != codes).sum()) <= 1
+    torch.testing.assert_close(mine["exp_avg_sq"], ref["exp_avg_sq"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(p_mine, p_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nearest_code_exact_at_midpoints(backend, bits):
+    """With beta1 = 0, m = g and absmax = 1, so codes = nearest(g) exactly: values on
+    midpoints (ties go to the lower code) and one ulp to either side."""
+    cb = codebook(bits)
+    mids = ((cb[:-1].double() + cb[1:].double()) / 2).float()
+    up, down = torch.tensor(np.inf), torch.tensor(-np.inf)
+    x = torch.cat(
+        [mids, mids.nextafter(up), mids.nextafter(down), cb, torch.rand(500) * 2 - 1]
+    )
+    x = torch.cat([x, torch.tensor([1.0])])  # absmax 1: m / absmax == m
+    n = x.numel()
+    state = new_state(torch.empty(n), n, bits, cb)
+    hyper = dict(HYPER, beta1=0.0, weight_decay=0.0)
+    _fused.fused_step(torch.zeros(n), x, state, **hyper)
+    exact = exact_nearest(x, cb)
+    assert torch.equal(codes_of(state, n).long(), exact)
+    assert torch.equal(NearestCode(cb)(x).long(), exact)  # the reference's quantizer
+
+
+def test_backends_agree(monkeypatch):
+    """C kernel and PyTorch fallback: same codes, absmax and v; params to an ulp."""
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    for bits, n, period in [
+        (8, 5003, 61),
+        (4, 5003, 61),
+        (4, 4000, 1),
+        (None, 5003, 61),
+    ]:
+        state = random_state(n, period, bits, seed=3)
+        param, grad = torch.randn(n), torch.randn(n)
+        h = _fused.hyperparameters(4.0, **HYPER)
+        c_state, t_state = copy_state(state), copy_state(state)
+        p_c, p_t = param.clone(), param.clone()
+        _fused.c_step(p_c, grad, c_state, h)
+        _torch_step.torch_step(p_t, grad, t_state, h)
+        for key in state:
+            if key != "exp_avg_sq" and key != "exp_avg":
+                assert torch.equal(c_state[key], t_state[key]), key
+        torch.testing.assert_close(
+            c_state["exp_avg_sq"], t_state["exp_avg_sq"], rtol=2e-7, atol=0
+        )
+        assert ulps(p_c, p_t, torch.maximum(p_t.abs(), (p_t - param).abs())) <= 2
+
+
+@pytest.mark.parametrize("bits", [8, 4, None])
+def test_long_blocks_and_threads_are_bitwise_identical(bits):
+    """Blocks longer than the C buffer (recomputed m), several threads, odd periods
+    with 4-bit codes (pairs of blocks per thread): all give the same bits."""
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    h = _fused.hyperparameters(4.0, **HYPER)
+    for n, period in [(30001, 333), (20001, 7), (9999, 9999)]:
+        state = random_state(n, period, bits, seed=period)
+        param, grad = torch.randn(n), torch.randn(n)
+        results = []
+        for chunk, threads in [(None, 1), (16, 1), (None, 2), (17, 2)]:
+            s, p = copy_state(state), param.clone()
+            _fused.c_step(p, grad, s, h, chunk=chunk, threads=threads)
+            results.append((p, s))
+        for p, s in results[1:]:
+            assert torch.equal(p, results[0][0])
+            for key in state:
+                assert torch.equal(s[key], results[0][1][key]), key
+
+
+def test_torch_long_blocks_match_whole_blocks(monkeypatch):
+    """The fallback's two-pass path for blocks longer than a chunk."""
+    n, period = 3001, 1000
+    h = _fused.hyperparameters(4.0, **HYPER)
+    for bits in [8, 4, None]:
+        state = random_state(n, period, bits, seed=11)
+        param, grad = torch.randn(n), torch.randn(n)
+        s1, s2 = copy_state(state), copy_state(state)
+        p1, p2 = param.clone(), param.clone()
+        _torch_step.torch_step(p1, grad, s1, h)
+        monkeypatch.setattr(_torch_step, "TORCH_CHUNK", 64)
+        _torch_step.torch_step(p2, grad, s2, h)
+        monkeypatch.undo()
+        for key in state:
+            torch.testing.assert_close(s1[key], s2[key], rtol=2e-7, atol=0)
+        assert ulps(p1, p2, torch.maximum(p1.abs(), (p1 - param).abs())) <= 2
+
+
+def test_low_precision_and_strided_params_use_the_fallback():
+    """bf16 parameters and strided views take the fallback; same result."""
+    n, period = 1200, 40
+    for param in [torch.randn(n).bfloat16(), torch.randn(2 * n).view(n, 2)[:, 0]]:
+        state = random_state(n, period, 8, seed=5)
+        grad = torch.randn(n, dtype=param.dtype).view(param.shape)
+        mine, ref = copy_state(state), copy_state(state)
+        p_mine, p_ref = param.clone(), param.clone()
+        _fused.fused_step(p_mine, grad, mine, **HYPER)
+        reference_step(p_ref, grad, ref, **HYPER)
+        assert torch.equal(codes_of(mine, n), codes_of(ref, n))
+        torch.testing.assert_close(p_mine.float(), p_ref.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_quant_table_is_exact_for_any_sorted_codebook():
+    """Emulates the kernel's lookup (table + midpoints of the cell) against brute force,
+    including repeated codes (ties go to the lowest code) and crowded codes."""
+    rng = torch.Generator().manual_seed(0)
+    books = [
+        codebook(8),
+        torch.tensor([-1.0, -0.5, -0.5, 0.0, 0.0, 0.0, 1e-7, 1.0]),
+        torch.sort(torch.rand(254, generator=rng) * 2e-3 - 1e-3).values,  # crowded
+    ]
+    books[2] = torch.cat([torch.tensor([-1.0]), books[2], torch.tensor([1.0])])
+    for cb in books:
+        table = _quant_table.build_table(cb)
+        mids = table.mid[:-1]
+        x = torch.cat(
+            [mids, mids.nextafter(torch.tensor(1.0)), torch.rand(3000) * 2 - 1]
+        )
+        x = torch.cat([x, x.nextafter(torch.tensor(-1.0)), cb]).clamp(-1, 1)
+        j = table.lut.long()[_quant_table.cell_index(x, table.lut.numel())]
+        k = torch.where(j < 0, ~j, j)
+        inside = j < 0
+        while True:  # the kernel's loop over the cell's midpoints
+            step = inside & (x > table.mid[k])
+            if not step.any():
+                break
+            k = k + step.long()
+        assert torch.equal(table.first[k].long(), exact_nearest(x, cb))
+        assert torch.equal(k, _quant_table.nearest_index(x, table))
+
+
+def test_quant_table_needs_one_comparison_for_learned_codebooks():
+    """Codes at least one histogram bin (2/4096) apart: <= 1 midpoint per cell."""
+    bins = torch.randperm(4096, generator=torch.Generator().manual_seed(1))[:254]
+    cb = torch.cat([torch.tensor([-1.0]), -1 + (torch.sort(bins).values + 0.5) / 2048])
+    cb = torch.cat([cb, torch.tensor([1.0])])
+    table = _quant_table.build_table(cb)
+    cells = _quant_table.cell_index(table.mid[:-1], table.lut.numel())
+    assert int(torch.bincount(cells).max()) == 1
+
+
+def test_quant_table_cache_follows_the_tensor():
+    cb = codebook(4)
+    first = _quant_table.quant_table(cb)
+    assert _quant_table.quant_table(cb) is first
+    cb.mul_(0.5)  # an in-place change bumps the version: rebuilt
+    assert torch.equal(_quant_table.quant_table(cb).codebook, cb)
+
+
+def test_bad_inputs_raise_and_change_nothing():
+    n = 100
+    param = torch.randn(n)
+    state = random_state(n, 10, 8, seed=0)
+    before = copy_state(state)
+    with pytest.raises(ValueError, match="grad has 99 elements"):
+        _fused.fused_step(param, torch.randn(99), state, **HYPER)
+    bad = copy_state(state)
+    bad["exp_avg_codes"] = bad["exp_avg_codes"][:-1]
+    with pytest.raises(ValueError, match="exp_avg_codes"):
+        _fused.fused_step(param, torch.randn(n), bad, **HYPER)
+    bad = copy_state(state)
+    bad["period"] = torch.tensor(101)
+    with pytest.raises(ValueError, match="period"):
+        _fused.fused_step(param, torch.randn(n), bad, **HYPER)
+    with pytest.raises(ValueError, match="sorted"):
+        _quant_table.build_table(torch.tensor([1.0, -1.0]))
+    for key in state:
+        assert torch.equal(state[key], before[key])
+    if _native.load() is not None:
+        h = _fused.hyperparameters(1.0, **HYPER)
+        with pytest.raises(ValueError, match="param: the C kernel needs"):
+            _fused.c_step(param.double(), torch.randn(n), state, h)
+        bad = copy_state(state)
+        bad["exp_avg_codes"] = bad["exp_avg_codes"].long()
+        with pytest.raises(ValueError, match="exp_avg_codes"):
+            _fused.c_step(param, torch.randn(n), bad, h)
+        with pytest.raises(ValueError, match="chunk"):
+            _fused.c_step(param, torch.randn(n), state, h, chunk=1 << 20)
+
+
+def test_empty_parameter_is_a_no_op():
+    state = new_state(torch.empty(0), 1, 8, codebook(8))
+    _fused.fused_step(torch.empty(0), torch.empty(0), state, **HYPER)
+    assert float(state["step"]) == 0
+
+
+def test_native_build_is_cached_and_optional(tmp_path, monkeypatch):
+    """Builds into $LEANTRAIN_CACHE under a content hash, reuses it, and falls back
+    to PyTorch without a compiler or with LEANTRAIN_NO_NATIVE=1."""
+    if _native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("LEANTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_library", None)
+    assert _native.load() is not None, _native.status()
+    built = list(tmp_path.glob("gefen_step-*.so"))
+    assert len(built) == 1 and str(built[0]) in _native.status()
+    assert not list(tmp_path.glob("*.tmp"))  # the temporary file was renamed
+    stamp = os.stat(built[0]).st_mtime_ns
+    monkeypatch.setattr(_native, "_tried", False)
+    assert _native.load() is not None
+    assert os.stat(built[0]).st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    assert _fused.backend() == "torch" and "LEANTRAIN_NO_NATIVE" in _native.status()
+    monkeypatch.delenv("LEANTRAIN_NO_NATIVE")
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "compiler", lambda: None)
+    assert _fused.backend() == "torch" and "no C compiler" in _native.status()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [8, 4, None])
+def test_cuda_compiled_step_matches_reference(bits):
+    """On CUDA the chunk function is torch.compile'd; same result as the reference."""
+    n, period = 50_001, 97
+    state = random_state(n, period, bits, seed=2)
+    param, grad = torch.randn(n), torch.randn(n)
+    cuda_state = {k: v.cuda() for k, v in state.items()}
+    p_cuda = param.cuda()
+    _fused.fused_step(p_cuda, grad.cuda(), cuda_state, **HYPER)
+    ref = copy_state(state)
+    reference_step(param, grad, ref, **HYPER)
+    if bits:
+        diff = codes_of(cuda_state, n).cpu().int() - codes_of(ref, n).int()
+        assert int(diff.abs().max()) <= 1 and int((diff != 0).sum()) <= 5
+    torch.testing.assert_close(
+        cuda_state["exp_avg_sq"].cpu(), ref["exp_avg_sq"], rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(p_cuda.cpu(), param, rtol=1e-4, atol=1e-5)

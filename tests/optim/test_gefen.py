@@ -1,0 +1,334 @@
+"""Gefen: AdamW parity, the quantized step against a slow oracle, memory, checkpoints,
+non-finite gradients and the parameter life cycle (late, frozen, empty, sparse)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from leantrain.optim import Gefen, bytes_per_param, optimizer_state_nbytes
+from leantrain.optim import _step
+from leantrain.optim._state import new_state, qblock_for
+from leantrain.optim.codebook import histogram, learn_codebook
+
+
+def _groups(model, lr_decay=1e-2, lr_other=3e-3):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return [
+        {"params": decay, "lr": lr_decay, "weight_decay": 0.1},
+        {"params": other, "lr": lr_other, "weight_decay": 0.0},
+    ]
+
+
+# --- parity anchor ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_element_fp32_equals_adamw_after_100_steps(maximize, kit):
+    x, y = kit.make_data()
+    model = kit.make_mlp()
+    ref_model = kit.clone(model)
+    opt = Gefen(
+        _groups(model), betas=(0.8, 0.99), eps=1e-7, partition="element",
+        momentum_bits=None, maximize=maximize,
+    )
+    ref = torch.optim.AdamW(
+        _groups(ref_model), betas=(0.8, 0.99), eps=1e-7, maximize=maximize
+    )
+    sign = -1.0 if maximize else 1.0  # maximize the negated loss: same descent
+    for _ in range(100):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            (sign * kit.loss_fn(m, x, y)).backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert (p - q).abs().max() <= 1e-6 * q.abs().max()
+    assert len(opt.param_groups) == 2 and all("betas" in g for g in opt.param_groups)
+
+
+# --- the quantized reference step against a slow, obvious oracle ----------------
+
+
+def _oracle_step(param, grad, st, *, lr, beta1, beta2, eps, weight_decay):
+    """Contract formula, block by block in Python loops (fp32, like the step)."""
+    st["step"] += 1
+    t, p, q, cb = st["step"], st["period"], st["qblock"], st["codebook"]
+    w, g = param.reshape(-1).clone(), grad.reshape(-1).float()
+    n = w.numel()
+    for b in range(math.ceil(n / p)):
+        blk = g[b * p : (b + 1) * p]
+        st["v"][b] = beta2 * st["v"][b] + (1 - beta2) * (blk * blk).mean()
+    m = cb[st["codes"].long()] * st["absmax"].repeat_interleave(q)[:n]
+    m = torch.lerp(m, g, 1 - beta1)
+    for b in range(math.ceil(n / q)):
+        blk = m[b * q : (b + 1) * q]
+        amax = blk.abs().max()
+        st["absmax"][b] = amax
+        u = blk / amax if amax > 0 else torch.zeros_like(blk)
+        st["codes"][b * q : (b + 1) * q] = (u[:, None] - cb[None, :]).abs().argmin(1)
+    mq = cb[st["codes"].long()] * st["absmax"].repeat_interleave(q)[:n]
+    denom = st["v"].sqrt().repeat_interleave(p)[:n] / math.sqrt(1 - beta2**t) + eps
+    w = w * (1 - lr * weight_decay) - lr / (1 - beta1**t) * mq / denom
+    param.copy_(w.view(param.shape))
+
+
+def _codebook(bits):
+    t = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+    return (t.sign() * t.abs() ** 1.7).float()  # non-uniform, ends at -1 and +1
+
+
+def _codes_of(state, n):
+    codes = state["exp_avg_codes"]
+    if state["codebook"].numel() == 16:
+        codes = torch.stack([codes & 15, codes >> 4], 1).reshape(-1)[:n]
+    return codes
+
+
+@pytest.mark.parametrize(
+    ("shape", "period", "bits"),
+    [((5, 13), 7, 8), ((5, 13), 7, 4), ((3, 200), 1, 8), ((3, 200), 1, 4), ((64,), 16, 4)],
+)
+def test_quantized_reference_step_matches_oracle(shape, period, bits, monkeypatch):
+    # Small chunks, so blocks, chunks and 4-bit bytes all have boundaries to get wrong.
+    monkeypatch.setattr(_step, "CHUNK_ELEMENTS", 40)
+    torch.manual_seed(0)
+    param, cb = torch.randn(shape), _codebook(bits)
+    oracle_param = param.clone()
+    state = new_state(param, period, bits, cb)
+    n, q = param.numel(), qblock_for(period)
+    oracle = {
+        "step": 0, "period": period, "qblock": q, "codebook": cb,
+        "v": torch.zeros(math.ceil(n / period)), "absmax": torch.zeros(math.ceil(n / q)),
+        "codes": torch.full((n,), int(cb.abs().argmin()), dtype=torch.uint8),
+    }
+    hyper = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
+    for _ in range(4):
+        grad = torch.randn(shape) * (0.1 + torch.rand(shape[-1]))  # column scales
+        _step.reference_step(param, grad, state, maximize=False, **hyper)
+        _oracle_step(oracle_param, grad, oracle, **hyper)
+    assert torch.equal(_codes_of(state, n), oracle["codes"])
+    torch.testing.assert_close(state["exp_avg_absmax"], oracle["absmax"])
+    torch.testing.assert_close(state["exp_avg_sq"], oracle["v"])
+    torch.testing.assert_close(param, oracle_param, rtol=1e-5, atol=1e-6)
+
+
+def test_reference_step_makes_no_full_size_int64_temporaries(monkeypatch):
+    monkeypatch.setattr(_step, "CHUNK_ELEMENTS", 1024)
+    param = torch.randn(64, 256)
+    state = new_state(param, 1, 8, _codebook(8))
+    _step.nearest_code(state["codebook"])  # its lookup table is codebook-sized
+    sizes = []
+
+    class RecordInt64(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.int64:
+                    sizes.append(t.numel())
+            return out
+
+    with RecordInt64():
+        _step.reference_step(
+            param, torch.randn(64, 256), state, lr=1e-3, beta1=0.9, beta2=0.999,
+            eps=1e-8, weight_decay=0.0, maximize=False,
+        )
+    assert max(sizes, default=0) <= 1024 < param.numel()
+
+
+def test_non_contiguous_parameter_trains_like_contiguous(kit):
+    torch.manual_seed(0)
+    base = torch.randn(6, 9)
+    p_t = nn.Parameter(base.t())  # (9, 6) view, not contiguous
+    p_c = nn.Parameter(base.t().contiguous())
+    opts = [Gefen([p], lr=1e-2, partition=4) for p in (p_t, p_c)]
+    for _ in range(3):
+        g = torch.randn(9, 6)
+        for p, o in zip((p_t, p_c), opts):
+            p.grad = g.clone()
+            o.step()
+    assert torch.equal(p_t, p_c)
+
+
+# --- training quality and memory ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"momentum_bits": 4}, {"partition": "tensor"}, {"momentum_bits": None}],
+    ids=["8bit-auto", "4bit-auto", "8bit-tensor", "fp32-auto"],
+)
+def test_quantized_variants_train_close_to_adamw(kwargs, kit):
+    torch.manual_seed(0)
+    x = torch.randn(4096, 12)
+    labels = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 0.5).long()
+    # 25% random labels on many samples: the loss has a floor the net cannot
+    # memorize its way under, so a relative gap is meaningful.
+    noisy = torch.rand(4096) < 0.25
+    labels[noisy] = torch.randint(0, 3, (int(noisy.sum()),))
+    model = kit.make_mlp((12, 64, 64, 3))
+    ref_model = kit.clone(model)
+    opts = [Gefen(model.parameters(), lr=3e-3, **kwargs),
+            torch.optim.AdamW(ref_model.parameters(), lr=3e-3)]
+    for _ in range(100):
+        losses = []
+        for m, o in zip((model, ref_model), opts):
+            o.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), labels)
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+    assert losses[0] < 0.75 * math.log(3)  # it learned
+    assert abs(losses[0] - losses[1]) <= 0.05 * losses[1]
+
+
+def _one_step(model, opt, d_in):
+    opt.zero_grad()
+    model(torch.randn(32, d_in)).square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize(("bits", "limit"), [(8, 1.02), (4, 0.56)])
+def test_state_bytes_per_param_on_mlp(bits, limit):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+    opt = Gefen(model.parameters(), momentum_bits=bits)
+    _one_step(model, opt, 64)
+    assert 0.31e6 > sum(p.numel() for p in model.parameters()) > 0.1e6
+    assert bytes_per_param(opt) <= limit
+
+
+def test_optimizer_state_nbytes_counts_each_storage_once(kit):
+    model = kit.make_mlp()
+    n = sum(p.numel() for p in model.parameters())
+    adamw = torch.optim.AdamW(model.parameters())
+    _one_step(model, adamw, 12)
+    num_params = len(list(model.parameters()))
+    assert optimizer_state_nbytes(adamw) == 8 * n + 4 * num_params  # m, v, step
+    gefen = Gefen(model.parameters())
+    _one_step(model, gefen, 12)
+    states = list(gefen.state.values())
+    by_hand = 1024 + sum(  # the one shared 256-code fp32 codebook, counted once
+        t.numel() * t.element_size()
+        for s in states for k, t in s.items() if k != "codebook"
+    )
+    assert optimizer_state_nbytes(gefen) == by_hand
+    # Two views of one buffer are one storage.
+    buf = torch.zeros(100)
+    gefen.state[model[0].weight]["extra_a"], gefen.state[model[0].bias]["extra_b"] = (
+        buf[:50], buf[50:]
+    )
+    assert optimizer_state_nbytes(gefen) == by_hand + 400
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        optimizer_state_nbytes(model)
+
+
+# --- partition and codebook -----------------------------------------------------
+
+
+def test_partition_options_set_the_period(kit):
+    from leantrain.optim.partition import choose_period
+
+    model = kit.make_mlp()
+    w, b = model[0].weight, model[0].bias  # (32, 12), (32,)
+    opt = Gefen(
+        [
+            {"params": [w], "partition": 7},
+            {"params": [b], "partition": 1000},
+            {"params": [model[1].weight], "partition": "element"},
+            {"params": [model[1].bias], "partition": "tensor"},
+            {"params": list(model[3:].parameters())},
+        ]
+    )
+    _one_step(model, opt, 12)
+    period = {p: int(s["period"]) for p, s in opt.state.items()}
+    assert period[w] == 7 and period[b] == 32
+    assert period[model[1].weight] == 1 and period[model[1].bias] == 32
+    assert int(opt.state[model[1].weight]["qblock"]) == 256
+    assert period[model[3].weight] == choose_period(model[3].weight.grad)
+    for p, s in opt.state.items():
+        assert s["exp_avg_sq"].numel() == math.ceil(p.numel() / period[p])
+
+
+def test_codebook_learned_from_first_gradient_and_shared(kit):
+    model = kit.make_mlp()
+    big = list(model.parameters())[:4]
+    small = list(model.parameters())[4:]
+    opt = Gefen([{"params": big}, {"params": small, "momentum_bits": 4}])
+    opt.zero_grad()
+    kit.loss_fn(model, *kit.make_data()).backward()
+    grads = {p: p.grad.clone() for p in model.parameters()}
+    opt.step()
+    for params, bits in ((big, 8), (small, 4)):
+        counts = sum(
+            histogram(grads[p].reshape(-1), int(opt.state[p]["qblock"])) for p in params
+        )
+        expected = learn_codebook(counts, 2**bits)
+        codebooks = {id(opt.state[p]["codebook"]) for p in params}
+        assert len(codebooks) == 1
+        codebook = opt.state[params[0]]["codebook"]
+        assert torch.equal(codebook, expected) and codebook.dtype == torch.float32
+        assert codebook[0] == -1 and codebook[-1] == 1
+    frozen = opt.state[big[0]]["codebook"].clone()
+    kit.train(model, opt, *kit.make_data(), 3)
+    assert torch.equal(opt.state[big[0]]["codebook"], frozen)
+
+
+def test_late_gradient_parameter_reuses_codebook(kit):
+    x, y = kit.make_data()
+    model, late = kit.make_mlp(), nn.Linear(12, 5)
+    opt = Gefen([*model.parameters(), *late.parameters()], lr=1e-2)
+    kit.train(model, opt, x, y, 2)
+    assert not opt.state.get(late.weight)
+    before = late.weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        (kit.loss_fn(model, x, y) + late(x).square().mean()).backward()
+        opt.step()
+    assert opt.state[late.weight]["codebook"] is opt.state[model[0].weight]["codebook"]
+    assert float(opt.state[late.weight]["step"]) == 2
+    assert not torch.equal(late.weight, before)
+
+
+def test_frozen_then_unfrozen_parameter_trains(kit):
+    x, y = kit.make_data()
+    model = kit.make_mlp()
+    model[0].weight.requires_grad_(False)
+    opt = Gefen(model.parameters(), lr=1e-2)
+    kit.train(model, opt, x, y, 2)
+    before = model[0].weight.detach().clone()
+    assert not opt.state.get(model[0].weight)
+    model[0].weight.requires_grad_(True)
+    kit.train(model, opt, x, y, 2)
+    assert not torch.equal(model[0].weight, before)
+
+
+def test_momentum_bits_cannot_change_after_first_step(kit):
+    model = kit.make_mlp()
+    opt = Gefen(model.parameters())
+    _one_step(model, opt, 12)
+    opt.param_groups[0]["momentum_bits"] = 4
+    with pytest.raises(ValueError, match="momentum_bits=8 but its group now says 4"):
+        _one_step(model, opt, 12)
+
+
+def test_bf16_model_trains_with_fp32_state(kit):
+    x, y = kit.make_data()
+    model = kit.make_mlp(dtype=torch.bfloat16)
+    opt = Gefen(model.parameters(), lr=1e-2)
+    losses = kit.train(model, opt, x, y, 40)
+    assert losses[-1] < 0.5 * losses[0]
+    for s in opt.state.values():
+        assert s["exp_avg_sq"].dtype == s["exp_avg_absmax"].dtype == torch.float32
+    resumed = Gefen(kit.clone(model).parameters(), lr=1e-2)
+    resumed.load_state_dict(kit.roundtrip(opt.state_dict()))
+    for s in resumed.state.values():  # torch's cast to bf16 is undone
+        assert s["exp_avg_sq"].dtype == s["codebook"].dtype == torch.float32
+        assert s["exp_avg_codes"].dtype == torch.uint8 and s["period"].dtype == torch.int64

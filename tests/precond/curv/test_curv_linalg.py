@@ -1,0 +1,62 @@
+"""robust_eigh, cholesky_inverse, pi_damping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leantrain.precond.curv import cholesky_inverse, pi_damping, robust_eigh
+
+
+def _spd(n, batch=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*batch, n, 2 * n, generator=g, dtype=torch.float64)
+    return x @ x.transpose(-1, -2) / (2 * n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_robust_eigh_reconstructs(dtype):
+    m = _spd(6, (3,)).to(dtype)
+    vals, vecs = robust_eigh(m)
+    assert vals.dtype == dtype and vecs.dtype == dtype
+    rebuilt = vecs @ torch.diag_embed(vals) @ vecs.transpose(-1, -2)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert torch.allclose(rebuilt, m, atol=tol)
+    assert torch.all(vals[..., 1:] >= vals[..., :-1])
+
+
+@pytest.mark.parametrize("damping", [0.0, 0.1])
+def test_cholesky_inverse_matches_solve(damping):
+    m = _spd(5, (4,), seed=1)
+    got = cholesky_inverse(m, damping)
+    eye = torch.eye(5, dtype=torch.float64)
+    expected = torch.linalg.solve(m + damping * eye, eye.expand(4, 5, 5))
+    assert torch.allclose(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_cholesky_inverse_retries_in_float64():
+    eps = 1e-10  # PD in float64, singular once rounded to float32
+    m = torch.tensor([[1.0, 1.0 - eps], [1.0 - eps, 1.0]], dtype=torch.float64)
+    got = cholesky_inverse(m, compute_dtype=torch.float32)
+    assert torch.allclose(got @ m, torch.eye(2, dtype=torch.float64), atol=1e-5)
+    with pytest.raises(torch.linalg.LinAlgError, match="increase the damping"):
+        cholesky_inverse(-torch.eye(2))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="damping must be finite and >= 0, got -1"):
+        cholesky_inverse(torch.eye(2), -1.0)
+    with pytest.raises(ValueError, match=r"square matrix, got shape \(2, 3\)"):
+        robust_eigh(torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="floating tensor"):
+        robust_eigh(torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="compute_dtype"):
+        robust_eigh(torch.eye(2), compute_dtype=torch.float16)
+
+
+def test_pi_damping_balances_the_factors():
+    a, b = _spd(4, seed=2), _spd(3, seed=3) * 10
+    da, db = pi_damping(a, b, 0.04)
+    assert da * db == pytest.approx(0.04)
+    # equal relative damping: (da / mean eig A) == (db / mean eig B)
+    assert da / (a.trace() / 4) == pytest.approx(float(db / (b.trace() / 3)))
