@@ -1,8 +1,8 @@
 """Exact codebook DP: the monotone fast solver against the plain O(b^2 k) program.
 
-Prints one table: for b non-empty bins and k codes, the fast solver's CPU time (best
-of 3), the reference's CPU time (run only when its estimate is under the limit), the ratio
-and whether both reach the same optimal cost. One thread.
+Prints one table: for b non-empty bins and k codes, the fast solver's CPU time
+(best of 3), the reference's CPU time (run only when its estimate is under the
+limit), the ratio and whether both reach the same optimal cost. One thread.
 
     python benchmarks/codebook.py            # reference up to ~20 s per cell
     python benchmarks/codebook.py --limit 5  # tighter
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -41,23 +42,28 @@ def best_of(fn, repeat: int = 3) -> tuple[float, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=float, default=20.0, help="reference budget (s)")
+    parser.add_argument(
+        "--limit", type=float, default=20.0, help="reference budget (s)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    header = f"{'bins':>5} {'k':>4} {'fast (CPU s)':>12} {'reference (CPU s)':>22} {'ratio':>7} {'equal cost':>10}"
+    header = (
+        f"{'bins':>5} {'k':>4} {'fast (CPU s)':>12} {'reference (CPU s)':>22} "
+        f"{'ratio':>7} {'equal cost':>10}"
+    )
     print(header)
     print("-" * len(header))
     for bins in (256, 1024, 4096):
         counts = gradient_like_counts(bins)
         x, c, _ = cbm._prepare(counts, 2)
         for k in (16, 256):
-            fast_t, (_, fast_bounds) = best_of(lambda: cbm._solve_fast(x, c, k))
+            fast_t, (_, fast_bounds) = best_of(partial(cbm._solve_fast, x, c, k))
             # One reference layer, times the number of layers, estimates the whole.
-            one_layer, _ = best_of(lambda: cbm._solve_reference(x, c, 3), repeat=1)
+            one_layer, _ = best_of(partial(cbm._solve_reference, x, c, 3), repeat=1)
             estimate = one_layer * (k - 2)
             if estimate <= args.limit:
                 ref_t, (_, ref_bounds) = best_of(
-                    lambda: cbm._solve_reference(x, c, k), repeat=1
+                    partial(cbm._solve_reference, x, c, k), repeat=1
                 )
                 # Both partitions' costs evaluated directly (no prefix-sum rounding).
                 fast_cost = cbm._partition_cost(fast_bounds, x, c)

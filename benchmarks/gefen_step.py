@@ -154,7 +154,9 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=5000, help="block length p")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--reference-repeats", type=int, default=1)
+    parser.add_argument(
+        "--slow-repeats", type=int, default=1, help="for the fallback and reference"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     n, p = args.numel, args.period
@@ -163,26 +165,48 @@ def main() -> None:
         f"torch {torch.__version__}, Gefen backend: {_fused.backend()} "
         f"({_native.status()})"
     )
+    # (name, make the step, slow): slow steps run once, without a warm-up call
     cases = [
-        ("torch AdamW (default)", lambda: adamw_case(n, False), args.repeats),
-        ("torch AdamW (fused=True)", lambda: adamw_case(n, True), args.repeats),
-        ("Gefen fused C, 8-bit", lambda: gefen_case(n, p, 8, _fused.fused_step), 0),
-        ("Gefen fused C, 4-bit", lambda: gefen_case(n, p, 4, _fused.fused_step), 0),
-        ("Gefen fused C, fp32 m", lambda: gefen_case(n, p, None, _fused.fused_step), 0),
-        ("Gefen torch fallback, 8-bit", lambda: gefen_case(n, p, 8, torch_fallback), 0),
+        ("torch AdamW (default)", lambda: adamw_case(n, False), False),
+        ("torch AdamW (fused=True)", lambda: adamw_case(n, True), False),
+        ("Gefen fused C, 8-bit", lambda: gefen_case(n, p, 8, _fused.fused_step), False),
+        ("Gefen fused C, 4-bit", lambda: gefen_case(n, p, 4, _fused.fused_step), False),
+        (
+            "Gefen fused C, fp32 m",
+            lambda: gefen_case(n, p, None, _fused.fused_step),
+            False,
+        ),
+        (
+            "Gefen torch fallback, 8-bit",
+            lambda: gefen_case(n, p, 8, torch_fallback),
+            True,
+        ),
         (
             "Gefen reference_step, 8-bit",
             lambda: gefen_case(n, p, 8, reference_step),
-            args.reference_repeats,
+            True,
         ),
     ]
-    rows = []
-    for name, make, repeats in cases:
-        step = make()
-        seconds = timed(step, repeats or args.repeats)
-        extra = peak_extra_bytes(step)
-        rows.append((name, seconds, extra))
-        del step
+    # Fast steps run round-robin (one of each per round), so a shared machine's
+    # changing load hits them alike and their ratios stay meaningful.
+    fast = [(name, make()) for name, make, slow in cases if not slow]
+    times: dict[str, list[float]] = {name: [] for name, _ in fast}
+    for round_ in range(args.repeats + 1):  # round 0 is the warm-up
+        for name, step in fast:
+            seconds = timed(step, 1, warmup=0)
+            if round_:
+                times[name].append(seconds)
+    rows = [
+        (name, statistics.median(times[name]), peak_extra_bytes(step))
+        for name, step in fast
+    ]
+    del fast
+    for name, make, slow in cases:
+        if slow:
+            step = make()
+            seconds = timed(step, args.slow_repeats, warmup=0)
+            rows.append((name, seconds, peak_extra_bytes(step)))
+            del step
     base, fused = rows[0][1], rows[1][1]
     param_bytes = 4 * n
     header = (

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import platform
 import shlex
 import sys
@@ -114,12 +115,14 @@ def _gpt_task(args: argparse.Namespace) -> Task:
     )
 
 
-def _image_task(make_model: Callable[[int, int], nn.Module], name: str):
+def _image_task(
+    make_model: Callable[[tuple[int, int, int], int], nn.Module], name: str
+) -> Callable[[argparse.Namespace], Task]:
     def build(args: argparse.Namespace) -> Task:
         split = load_digits() if args.data == "digits" else load_image_folder(args.data)
         torch.manual_seed(args.seed)
         c, h, w = split.image_shape
-        model = make_model(c * h * w if name == "MLP" else c, split.num_classes)
+        model = make_model(split.image_shape, split.num_classes)
         n_params = sum(p.numel() for p in model.parameters())
         return Task(
             description=f"{name} ({n_params:,} params) on images '{args.data}' "
@@ -129,7 +132,7 @@ def _image_task(make_model: Callable[[int, int], nn.Module], name: str):
                 TensorBatches(
                     split.train_x,
                     split.train_y,
-                    batch_size=min(args.batch_size, len(split.train_y)),
+                    batch_size=args.batch_size,
                     seed=args.seed,
                 )
             ),
@@ -144,17 +147,17 @@ def _image_task(make_model: Callable[[int, int], nn.Module], name: str):
 
 TASKS: dict[str, TaskSpec] = {
     "gpt": TaskSpec(
-        _gpt_task, steps=250, batch_size=16, lr=2e-3, default_data="stdlib"
+        _gpt_task, steps=200, batch_size=16, lr=2e-3, default_data="stdlib"
     ),
     "mlp": TaskSpec(
-        _image_task(lambda n_in, k: MLP((n_in, 512, 512, k)), "MLP"),
+        _image_task(lambda shape, k: MLP((math.prod(shape), 512, 512, k)), "MLP"),
         steps=300,
         batch_size=64,
         lr=1e-3,
         default_data="digits",
     ),
     "cnn": TaskSpec(
-        _image_task(lambda c, k: CNN(c, k), "CNN"),
+        _image_task(lambda shape, k: CNN(shape[0], k), "CNN"),
         steps=300,
         batch_size=64,
         lr=1e-3,
@@ -266,7 +269,8 @@ def write_plot(results: Sequence[RunResult], path: Path) -> None:
     ax_loss.set(xlabel="step", ylabel="train loss (moving average)", title="Loss")
     ax_loss.legend()
     labels = [OPTIMIZER_LABELS.get(r.name, r.name) for r in results]
-    ax_mem.bar(labels, [r.state_bytes_per_param for r in results], color="tab:orange")
+    bars = ax_mem.bar(labels, [r.state_bytes_per_param for r in results])
+    ax_mem.bar_label(bars, fmt="%.2f")
     ax_mem.set(ylabel="bytes / parameter", title="Optimizer state")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -296,19 +300,24 @@ def run_compare(args: argparse.Namespace) -> list[RunResult]:
             setattr(args, name, getattr(spec, name))
     if args.data is None:
         args.data = spec.default_data
+    threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    task = spec.build(args)
-    results = []
-    with tqdm(total=args.steps * len(args.optimizers), file=sys.stderr) as bar:
-        for name in args.optimizers:
-            bar.set_description(OPTIMIZER_LABELS.get(name, name))
+    try:
+        task = spec.build(args)
+        results = []
+        with tqdm(total=args.steps * len(args.optimizers), file=sys.stderr) as bar:
+            for name in args.optimizers:
+                bar.set_description(OPTIMIZER_LABELS.get(name, name))
 
-            def progress(loss: float) -> None:
-                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-                bar.update()
+                def progress(loss: float) -> None:
+                    bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                    bar.update()
 
-            results.append(train_one(task, name, args.steps, args.lr, progress))
+                results.append(train_one(task, name, args.steps, args.lr, progress))
+        versions = _versions()  # records the thread count the run used
+    finally:
+        torch.set_num_threads(threads)  # callers (tests) keep their own setting
     baseline = "adamw" if "adamw" in args.optimizers else args.optimizers[0]
     table = results_table(results, baseline)
     settings = (
@@ -321,7 +330,6 @@ def run_compare(args: argparse.Namespace) -> list[RunResult]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "leantrain " + shlex.join(args.argv)
-    versions = _versions()
     md = [
         "# leantrain compare",
         "",

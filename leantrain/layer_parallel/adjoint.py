@@ -25,7 +25,12 @@ from collections.abc import Sequence
 
 import torch
 
-from leantrain.layer_parallel.mgrit import MGRITOptions, MGRITStats, mgrit_solve
+from leantrain.layer_parallel.mgrit import (
+    MGRITOptions,
+    MGRITStats,
+    mgrit_solve,
+    pipeline_solve,
+)
 from leantrain.layer_parallel.ode import (
     State,
     StepPropagator,
@@ -130,19 +135,28 @@ def adjoint_solve(
     *,
     exchange: Exchange | None = None,
     init: Sequence[State] | None = None,
-) -> tuple[State, dict[int, torch.Tensor], list[State], MGRITStats]:
+    pipelined: bool = False,
+) -> tuple[State, dict[int, torch.Tensor], list[State], MGRITStats | None]:
     """Adjoint MGRIT: ``(dL/du_0, {id(p): grad}, adjoint trajectory, stats)``.
 
     The adjoint trajectory is in reversed index order (``[lambda_N, ..., lambda_0]``),
-    the form ``init`` takes for a warm start.
+    the form ``init`` takes for a warm start. With an exchange, ``dL/du_0`` is valid
+    on the process holding the last adjoint chunk (forward chunk 0). ``pipelined``
+    replaces MGRIT by exact serial stepping chunk after chunk (stats None).
     """
-    if len(forward.inputs) != layout.n_steps:
+    local = len(exchange.local_chunks) if exchange is not None else layout.chunks
+    expected = layout.per_chunk(0) * local  # this process's layers only
+    if len(forward.inputs) != expected:
         raise ValueError(
             "the forward propagator holds no recorded final sweep "
-            f"({len(forward.inputs)} of {layout.n_steps} layers recorded)"
+            f"({len(forward.inputs)} of {expected} local layers recorded)"
         )
     prop = AdjointPropagator(forward, params)
-    traj, stats = mgrit_solve(
-        prop, grad_output, layout, options, exchange=exchange, init=init
-    )
+    if pipelined:
+        traj = pipeline_solve(prop, grad_output, layout, exchange)
+        stats = None
+    else:
+        traj, stats = mgrit_solve(
+            prop, grad_output, layout, options, exchange=exchange, init=init
+        )
     return traj[-1], prop.param_grads, traj, stats

@@ -194,6 +194,34 @@ def serial_solve(propagator: Propagator, u0: State, n_steps: int) -> list[State]
     return serial_sweep(lambda j, u: propagator(0, j, u), u0, None, 0, n_steps)
 
 
+def pipeline_solve(
+    propagator: Propagator,
+    u0: State,
+    layout: ChunkLayout,
+    exchange: Exchange | None = None,
+) -> list[State]:
+    """Exact serial stepping, chunk after chunk (the distributed "serial" mode).
+
+    Each chunk waits for its left neighbour's last point, steps through its own
+    layers with ``final=True`` (so a recording propagator keeps every graph) and
+    passes its last point on. Returns ``[u_0, local points...]`` like
+    :func:`mgrit_solve`.
+    """
+    ex = exchange if exchange is not None else LocalExchange(layout.chunks)
+    points: dict[int, list[State]] = {}
+
+    def run(p: int, ghost: State) -> State:
+        def step(j: int, u: State) -> State:
+            return propagator(0, j, u, final=True)
+
+        n0 = layout.per_chunk(0)
+        points[p] = serial_sweep(step, ghost, None, layout.offset(p, 0), n0)
+        return points[p][-1]
+
+    ex.pipeline(run, u0)
+    return [u0, *(x for p in ex.local_chunks for x in points[p][1:])]
+
+
 # ---------------------------------------------------------------------- bookkeeping
 class _Chunk:
     """One chunk's states on every level, and its layer-step counters."""
@@ -331,6 +359,22 @@ def mgrit_solve(
             max(sum(p) for p, _ in taken) + sum(sum(s) for _, s in taken)
         )
 
+    def done(r: float) -> bool:
+        # The level-0 residual after one F-relaxation: record it, stop on tol or NaN.
+        stats.residuals.append(r)
+        return not math.isfinite(r) or r <= options.tol
+
+    def down(level: int) -> bool:
+        """Relax, restrict; True when the level-0 residual says stop."""
+        for sweep in range(relax[level]):
+            f_relax(level)
+            r = norm(sum(c.c_relax(level) for c in chunks))
+            if level == 0 and sweep == 0 and done(r):
+                return True
+        f_relax(level)
+        r = norm(sum(c.restrict(level) for c in chunks))
+        return level == 0 and relax[0] == 0 and done(r)
+
     for k in range(options.iterations):
         skip = options.skip_downcycle and init is None and k == 0
         stop = False
@@ -338,21 +382,9 @@ def mgrit_solve(
             if skip:
                 for c in chunks:
                     c.inject(level)
-                continue
-            for sweep in range(relax[level]):
-                f_relax(level)
-                r = norm(sum(c.c_relax(level) for c in chunks))
-                if level == 0 and sweep == 0:
-                    stats.residuals.append(r)
-            f_relax(level)
-            r = norm(sum(c.restrict(level) for c in chunks))
-            if level == 0:
-                if relax[0] == 0:
-                    stats.residuals.append(r)
-                last = stats.residuals[-1]
-                if not math.isfinite(last) or last <= options.tol:
-                    stop = True
-                    break
+            elif down(level):
+                stop = True
+                break
         if stop:
             record_work()
             stats.iterations = k + 1

@@ -6,6 +6,12 @@ graphs, and a custom autograd function runs the adjoint MGRIT in ``backward``, r
 the input gradient and every parameter's gradient to autograd (so ``.grad`` accumulates
 across micro-batches and any optimizer works). ``.serial()`` switches the same module,
 same parameters, to exact layer-by-layer autograd; ``.parallel()`` switches back.
+
+``.distribute(group)`` spreads the chunks over the ranks of a ``torch.distributed``
+group, one contiguous chunk of layers per rank (see docs/layer_parallel.md,
+"Distributed"): every rank calls the module on the same input, only its own layers
+run and receive gradients, the output is broadcast from the last rank and the input
+gradient from the first, so the code around the stack is the same on every rank.
 """
 
 from __future__ import annotations
@@ -19,11 +25,17 @@ from torch import nn
 
 from leantrain.layer_parallel._checks import (
     check_float,
+    check_int,
     check_on_divergence,
     check_state,
 )
 from leantrain.layer_parallel.adjoint import adjoint_solve
-from leantrain.layer_parallel.mgrit import MGRITOptions, MGRITStats, mgrit_solve
+from leantrain.layer_parallel.mgrit import (
+    MGRITOptions,
+    MGRITStats,
+    mgrit_solve,
+    pipeline_solve,
+)
 from leantrain.layer_parallel.ode import (
     LayerRNG,
     State,
@@ -33,7 +45,7 @@ from leantrain.layer_parallel.ode import (
     like,
     serial_forward,
 )
-from leantrain.layer_parallel.schedule import ChunkLayout
+from leantrain.layer_parallel.schedule import ChunkLayout, Exchange
 
 
 class MGRITDivergenceError(RuntimeError):
@@ -138,6 +150,7 @@ class LayerParallel(nn.Module):
         self.mode = "parallel"
         self.stats = LayerParallelStats(self.mode)
         self._warm: dict[str, list[State]] = {}
+        self._exchanges: tuple[Exchange, Exchange] | None = None  # (forward, adjoint)
 
     @property
     def dt(self) -> float:
@@ -154,40 +167,124 @@ class LayerParallel(nn.Module):
         self.mode = "parallel"
         return self
 
+    def set_iterations(self, fwd: int | None = None, bwd: int | None = None) -> None:
+        """Change the forward and/or adjoint V-cycle counts in place."""
+        o = self.fwd_options
+        if fwd is not None:
+            fwd = check_int("fwd_iters", fwd, 1)
+            self.fwd_options = MGRITOptions(
+                o.levels, o.cf, fwd, o.relax, o.skip_downcycle, o.tol
+            )
+        if bwd is not None:
+            bwd = check_int("bwd_iters", bwd, 1)
+            self.bwd_options = MGRITOptions(
+                o.levels, o.cf, bwd, o.relax, o.skip_downcycle, o.tol
+            )
+
+    def distribute(self, group=None, *, timeout: float | None = None) -> LayerParallel:
+        """Run one chunk per rank of ``group`` (None: the default group); returns self.
+
+        Rank ``r`` of the group owns layers ``r N/P .. (r+1) N/P - 1`` and computes
+        and receives gradients only for those; ``N/P`` must be a multiple of
+        ``cf**(levels-1)``. Each rank keeps the full module (the other layers stay
+        untouched and get no gradient). Every wait times out after ``timeout``
+        seconds (default 300) with :class:`~.comm.LayerParallelCommError`.
+
+        Raises:
+            ValueError: if the layers do not split over the group's ranks.
+        """
+        from leantrain.layer_parallel.comm import DistExchange
+
+        fwd = DistExchange(group, timeout=timeout)
+        o = self.fwd_options
+        self.layout = ChunkLayout(len(self.steps), fwd.size, o.cf, o.levels)
+        self._exchanges = (fwd, DistExchange(group, reverse=True, timeout=timeout))
+        self._warm.clear()
+        return self
+
+    @property
+    def is_distributed(self) -> bool:
+        """True after :meth:`distribute` over more than one rank."""
+        return self._exchanges is not None and self._exchanges[0].size > 1
+
+    @property
+    def owned_layers(self) -> range:
+        """Indices of the layers this process runs (all of them unless distributed)."""
+        if not self.is_distributed:
+            return range(len(self.steps))
+        n0, c = self.layout.per_chunk(0), self._exchanges[0].chunk
+        return range(c * n0, (c + 1) * n0)
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """Parameters of :attr:`owned_layers` (the ones this process trains)."""
+        return [p for n in self.owned_layers for p in self.steps[n].parameters()]
+
     def forward(self, state: State) -> State:
         state = check_state(state)
         rng = LayerRNG.draw(state, enabled=self.training)
-        if self.mode == "serial":
+        if self.is_distributed and rng.enabled:
+            # Every rank must run its layers with the first rank's batch seed.
+            rng.batch_seed = self._exchanges[0].broadcast_int(rng.batch_seed, 0)
+        if self.mode == "serial" and not self.is_distributed:
             self.stats = LayerParallelStats("serial", serial_steps=len(self.steps))
             return serial_forward(self.steps, state, self.dt, rng)
-        self.stats = LayerParallelStats("parallel")
-        params = [p for p in self.parameters() if p.requires_grad]
+        self.stats = LayerParallelStats(self.mode)
+        params = [p for p in self.local_parameters() if p.requires_grad]
         tensors = as_tuple(state)
         grad = torch.is_grad_enabled() and (
             bool(params) or any(t.requires_grad for t in tensors)
         )
         if not grad:
-            return self._solve_forward(state, rng, record=False)[1][-1]
+            return self._output(self._solve_forward(state, rng, record=False)[1][-1])
         is_tuple = isinstance(state, tuple)
         out = _MGRITFunction.apply(self, rng, is_tuple, len(tensors), *tensors, *params)
         return like(state, out)
+
+    def _output(self, last: State) -> State:
+        # The last rank holds u_N; every rank returns it, so the head and the loss
+        # run (identically) everywhere and the user's loop needs no rank checks.
+        if not self.is_distributed:
+            return last
+        fwd = self._exchanges[0]
+        return fwd.broadcast(last, fwd.size - 1)
 
     # ------------------------------------------------------------- used by autograd
     def _solve_forward(self, state: State, rng: LayerRNG, *, record: bool):
         prop = StepPropagator(self.steps, self.dt, self.layout.cf, rng, record=record)
         state = detach(state)
+        ex = self._exchanges[0] if self.is_distributed else None
+        if self.mode == "serial":  # distributed serial: exact, rank after rank
+            traj = pipeline_solve(prop, state, self.layout, ex)
+            self.stats.serial_steps = len(self.steps)
+            return prop, traj
         init = self._warm_guess("forward", state)
-        traj, stats = mgrit_solve(prop, state, self.layout, self.fwd_options, init=init)
-        self._finish("forward", traj, stats)
+        traj, stats = mgrit_solve(
+            prop, state, self.layout, self.fwd_options, exchange=ex, init=init
+        )
+        self._finish("forward", traj, stats, self.stats, ex)
         return prop, traj
 
-    def _solve_adjoint(self, prop: StepPropagator, grad_output: State):
+    def _solve_adjoint(
+        self, prop: StepPropagator, grad_output: State, record: LayerParallelStats
+    ):
         params = [[p for p in s.parameters() if p.requires_grad] for s in self.steps]
-        init = self._warm_guess("backward", grad_output)
+        ex = self._exchanges[1] if self.is_distributed else None
+        pipelined = record.mode == "serial"
+        init = None if pipelined else self._warm_guess("backward", grad_output)
         grad_in, grads, traj, stats = adjoint_solve(
-            prop, grad_output, self.layout, self.bwd_options, params, init=init
+            prop,
+            grad_output,
+            self.layout,
+            self.bwd_options,
+            params,
+            exchange=ex,
+            init=init,
+            pipelined=pipelined,
         )
-        self._finish("backward", traj, stats)
+        if not pipelined:
+            self._finish("backward", traj, stats, record, ex)
+        if ex is not None:  # dL/du_0 lives on the first forward rank (adjoint last)
+            grad_in = ex.broadcast(grad_in, ex.size - 1)
         return grad_in, grads
 
     def _warm_guess(self, which: str, u0: State) -> list[State] | None:
@@ -199,10 +296,19 @@ class LayerParallel(nn.Module):
             return None  # a batch of another shape starts cold
         return [u0, *guess[1:]]
 
-    def _finish(self, which: str, traj: list[State], stats: MGRITStats) -> None:
-        setattr(self.stats, which, stats)
+    def _finish(
+        self,
+        which: str,
+        traj: list[State],
+        stats: MGRITStats,
+        record: LayerParallelStats,
+        exchange: Exchange | None = None,
+    ) -> None:
+        # ``record`` is the stats object of the forward call this solve belongs to
+        # (several forwards may run before their backwards).
+        setattr(record, which, stats)
         if self.warm_start:
-            self._warm[which] = [detach(x) for x in traj]
+            self._warm[which] = self._global_trajectory(traj, exchange)
         if stats.converged is False and self.on_divergence != "ignore":
             msg = (
                 f"MGRIT {which} solve did not converge: residuals "
@@ -213,13 +319,29 @@ class LayerParallel(nn.Module):
                 raise MGRITDivergenceError(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
+    def _global_trajectory(
+        self, traj: list[State], exchange: Exchange | None
+    ) -> list[State | None]:
+        # All N+1 points in global order; a distributed rank fills only its own
+        # chunk (the solver reads no other point of a warm start).
+        traj = [detach(x) for x in traj]
+        if exchange is None:
+            return traj
+        out: list[State | None] = [None] * (self.layout.n_steps + 1)
+        out[0] = traj[0]
+        n0 = self.layout.per_chunk(0)
+        for k, chunk in enumerate(exchange.local_chunks):
+            start = self.layout.offset(chunk, 0) + 1
+            out[start : start + n0] = traj[1 + k * n0 : 1 + (k + 1) * n0]
+        return out
+
     def extra_repr(self) -> str:
         o = self.fwd_options
         return (
             f"N={len(self.steps)}, t_final={self.t_final}, levels={o.levels}, "
             f"cf={o.cf}, fwd_iters={o.iterations}, "
             f"bwd_iters={self.bwd_options.iterations}, chunks={self.layout.chunks}, "
-            f"mode={self.mode}"
+            f"distributed={self.is_distributed}, mode={self.mode}"
         )
 
 
@@ -231,22 +353,25 @@ class _MGRITFunction(torch.autograd.Function):
         template = tuple(args[:n_state]) if is_tuple else args[0]
         state = like(template, args[:n_state])
         prop, traj = module._solve_forward(state, rng, record=True)
-        ctx.module, ctx.prop = module, prop
+        ctx.module, ctx.prop, ctx.stats = module, prop, module.stats
         ctx.template = (None,) * n_state if is_tuple else torch.empty(0)
         ctx.n_state, ctx.params = n_state, args[n_state:]
-        return tuple(as_tuple(traj[-1]))
+        out = tuple(as_tuple(module._output(traj[-1])))
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in out]
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
-        outs = as_tuple(ctx.prop.outputs[len(ctx.module.steps) - 1])
         grad_out = like(
             ctx.template,
             [
-                torch.zeros_like(o) if g is None else g
-                for g, o in zip(grad_outputs, outs, strict=True)
+                torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                for g, (shape, dtype, device) in zip(
+                    grad_outputs, ctx.out_meta, strict=True
+                )
             ],
         )
-        grad_in, grads = ctx.module._solve_adjoint(ctx.prop, grad_out)
+        grad_in, grads = ctx.module._solve_adjoint(ctx.prop, grad_out, ctx.stats)
         param_grads = [grads.get(id(p)) for p in ctx.params]
         return (None, None, None, None, *as_tuple(grad_in), *param_grads)

@@ -102,6 +102,7 @@ def c_step(
     *,
     chunk: int | None = None,
     threads: int | None = None,
+    layout: tuple[int, int, int] | None = None,
 ) -> None:
     """Runs the C kernel on one parameter (``state['step']`` already advanced).
 
@@ -109,11 +110,12 @@ def c_step(
         ValueError: a tensor of the wrong dtype, device, layout or size (checked
             here, before any pointer reaches C), or an argument the kernel rejects.
         RuntimeError: the native library is not available.
+        MemoryError: the kernel's per-thread buffers (~110 KiB each) do not fit.
     """
     lib = _native.load()
     if lib is None:
         raise RuntimeError(f"native Gefen kernel unavailable: {_native.status()}")
-    period, block, bits = state_layout(param, state)
+    period, block, bits = layout or state_layout(param, state)
     n = param.numel()
     if grad.numel() != n:
         raise ValueError(f"grad has {grad.numel()} elements, param {n}")
@@ -177,6 +179,10 @@ def c_step(
         chunk,
         threads,
     )
+    if rc == -6:  # its scratch buffers; nothing was changed
+        raise MemoryError(
+            f"the C kernel could not allocate {threads} x {chunk} buffers"
+        )
     if rc != 0:
         raise ValueError(f"the C kernel rejected its arguments (code {rc})")
 
@@ -241,7 +247,7 @@ def fused_step(
         raise ValueError(f"grad has {grad.numel()} elements, param {n}")
     if n == 0:
         return
-    state_layout(param, state)  # raises before anything changes
+    layout = state_layout(param, state)  # raises before anything changes
     state["step"] += 1
     hyper = hyperparameters(
         float(state["step"]),
@@ -253,6 +259,6 @@ def fused_step(
         maximize=maximize,
     )
     if _c_eligible(param, grad, state):
-        c_step(param, grad, state, hyper)
+        c_step(param, grad, state, hyper, layout=layout)
     else:
         torch_step(param, grad, state, hyper)

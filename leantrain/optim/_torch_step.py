@@ -3,7 +3,7 @@
 Used where the C kernel is not: other dtypes (bf16/fp16 parameters or gradients),
 CUDA, non-contiguous tensors, no compiler, ``LEANTRAIN_NO_NATIVE=1``. Same math and
 roundings as the kernel (``_kernels/gefen_step.c``) and the reference
-(``_step.reference_step``); temporaries are ~60 bytes per element of one chunk of
+(``_step.reference_step``); temporaries are ~120 bytes per element of one chunk of
 ``TORCH_CHUNK`` elements, whatever the parameter's size. A chunk is a run of
 whole blocks starting on an even element (so 4-bit code pairs never straddle two
 chunks); a block longer than a chunk is done in two passes over sub-chunks (stats,
@@ -21,9 +21,9 @@ from torch import Tensor
 
 from ._quant_table import QuantTable, nearest_index, quant_table
 
-# Elements per chunk: temporaries are ~60 B per element of a chunk (fp32 and int64
-# vectors), so 2**18 keeps them near 16 MiB whatever the tensor.
-TORCH_CHUNK = 1 << 18
+# Elements per chunk: temporaries are ~120 B per element of a chunk (fp32, fp64 and
+# int64 vectors), so 2**17 keeps them near 16 MiB whatever the tensor.
+TORCH_CHUNK = 1 << 17
 
 
 def state_layout(param: Tensor, state: dict) -> tuple[int, int, int]:
@@ -130,6 +130,17 @@ def _quantize(m: Tensor, amax: Tensor, table: QuantTable) -> tuple[Tensor, Tenso
     return table.first[k], table.uniq[k] * amax
 
 
+def _ema(v: Tensor, x: Tensor, h: dict) -> None:
+    """v = beta2 * v + (1 - beta2) * x, rounded like the reference's
+    ``add_(x, alpha=...)`` (a fused multiply-add); with 0-dim tensor scalars (the
+    compiled CUDA path) as a plain multiply and add."""
+    v.mul_(h["beta2"])
+    if isinstance(h["omb2"], Tensor):
+        v.add_(x * h["omb2"])
+    else:
+        v.add_(x, alpha=h["omb2"])
+
+
 def _chunk(
     param32: Tensor,
     g: Tensor,
@@ -147,7 +158,7 @@ def _chunk(
     sq = g * g
     if period == 1:
         v = state["exp_avg_sq"][start:end]
-        v.mul_(h["beta2"]).add_(sq, alpha=h["omb2"])
+        _ema(v, sq, h)
         denom = (v.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
     else:
         nb = math.ceil(length / block)
@@ -157,7 +168,7 @@ def _chunk(
         sizes[-1] = length - (nb - 1) * block
         mean = (padded.view(nb, block).sum(1) / sizes).float()
         v = state["exp_avg_sq"][start // block : start // block + nb]
-        v.mul_(h["beta2"]).add_(mean, alpha=h["omb2"])
+        _ema(v, mean, h)
         denom = _per_element((v.sqrt() / h["sqrt_bc2"]).add_(h["eps"]), block, length)
     m = _momentum(g, state, start, end, block, bits, table, h["w1"])
     if bits:
@@ -170,7 +181,8 @@ def _chunk(
         write_codes(state["exp_avg_codes"], start, end, codes, bits)
     else:
         state["exp_avg"].view(-1)[start:end] = m
-    param32.mul_(h["decay"]).addcdiv_(m, denom, value=-h["step_size"])
+    # addcdiv's rounding, p + (-step_size * m) / denom, in ops that take a tensor
+    param32.mul_(h["decay"]).add_(m * -h["step_size"] / denom)
 
 
 def _big_block(
@@ -231,7 +243,16 @@ def chunk_function(device: torch.device):
         return _chunk
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk, dynamic=True)
-    return _compiled_chunk
+
+    def compiled(param32, g, state, start, end, period, block, bits, table, h):
+        # The per-step scalars (bias corrections change every step) go in as 0-dim
+        # tensors: as Python floats they would be baked in and recompile each step.
+        h = {
+            k: torch.tensor(x, dtype=torch.float32, device=device) for k, x in h.items()
+        }
+        _compiled_chunk(param32, g, state, start, end, period, block, bits, table, h)
+
+    return compiled
 
 
 def torch_step(param: Tensor, grad: Tensor, state: dict, h: dict[str, float]) -> None:

@@ -53,7 +53,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["choose_period", "describe_partition", "score_periods", "state_nbytes"]
+__all__ = [
+    "candidate_periods",
+    "choose_period",
+    "describe_partition",
+    "period_floor",
+    "score_periods",
+    "state_nbytes",
+]
 
 # Candidate within this share of the best explained variance (relative / absolute)
 # is considered to keep the structure.
@@ -128,8 +135,8 @@ def _unit_sums(flat: Tensor, unit: int) -> tuple[np.ndarray, np.ndarray, np.ndar
         full = r.numel() // unit
         u0 = start // unit
         rows = r[: full * unit].view(full, unit)
-        s1[u0 : u0 + full] = rows.sum(1).double().numpy()
-        s2[u0 : u0 + full] = rows.square().sum(1).double().numpy()
+        s1[u0 : u0 + full] = rows.sum(1).double().cpu().numpy()
+        s2[u0 : u0 + full] = rows.square().sum(1).double().cpu().numpy()
         if r.numel() > full * unit:  # the last, shorter unit
             tail = r[full * unit :].double()
             s1[u0 + full] = float(tail.sum())
@@ -143,7 +150,7 @@ def score_periods(g: Tensor, periods: list[int]) -> dict[int, float]:
     r"""Noise-corrected share of the variance of :math:`\log g^2` explained by the
     blocks of each period (:math:`\omega^2`; 0 for one block or a constant ``r``).
     """
-    flat = g.detach().reshape(-1).cpu()
+    flat = g.detach().reshape(-1)  # stays on its device; only unit sums move
     n = flat.numel()
     inner = [p for p in periods if p < n]
     if not inner:
@@ -186,9 +193,12 @@ def choose_period(g: Tensor, *, min_block: int = 256, max_block: int = 16384) ->
         ValueError: a bound is < 1, ``max_block < min_block``, or ``g`` holds NaN/inf.
 
     Example:
-        >>> g = torch.randn(64, 256) * torch.logspace(-3, 0, 64)[:, None]
+        >>> _ = torch.manual_seed(0)
+        >>> g = torch.randn(64, 256) * torch.exp(2 * torch.randn(64, 1))  # row scales
         >>> choose_period(g)  # one block per row
         256
+        >>> choose_period(torch.randn(64, 256))  # no structure: one block
+        16384
     """
     if not isinstance(g, Tensor) or not g.is_floating_point():
         got = f"{g.dtype} tensor" if isinstance(g, Tensor) else type(g).__name__

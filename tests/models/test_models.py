@@ -258,3 +258,26 @@ def test_mlm_mask_matches_loop_and_has_bert_proportions():
     # 10% kept on purpose + 10% random that happens to hit the same token (1/256).
     expect = 0.1 + 0.1 / 256
     assert abs(unchanged - expect) < 5 * (expect * (1 - expect) / k) ** 0.5
+
+
+@pytest.mark.slow
+def test_encdec_learns_to_reverse(seeded):
+    """The reverse task's optimum (accuracy 1) is reachable by the encoder-decoder."""
+    from leantrain.data import TensorBatches, sequence_task
+
+    task = sequence_task("reverse", n_train=2048, n_val=128, length=6, n_symbols=8)
+    cfg = EncDecConfig(
+        src_vocab_size=task.vocab_size, tgt_vocab_size=task.vocab_size, n_layer=2
+    )
+    model = EncoderDecoder(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = TensorBatches(task.src, task.tgt, batch_size=64, seed=0)
+    for _ in range(300):
+        src, tgt = batches.sample()
+        loss = lm_loss(model(src, task.decoder_input(tgt)), tgt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    pred = model.greedy_decode(task.val_src, 6, task.bos)
+    assert (pred == task.val_tgt).all(1).float().mean() > 0.95

@@ -37,7 +37,13 @@ def brute_force_cost(counts: np.ndarray, k: int) -> float:
             m = lab == j
             if not m.any():
                 continue
-            centre = -1.0 if j == 0 else 1.0 if j == k - 1 else np.dot(c[m], x[m]) / c[m].sum()
+            centre = (
+                -1.0
+                if j == 0
+                else 1.0
+                if j == k - 1
+                else np.dot(c[m], x[m]) / c[m].sum()
+            )
             cost += float(np.dot(c[m], (x[m] - centre) ** 2))
         best = min(best, cost)
     return best
@@ -78,7 +84,9 @@ def test_matches_brute_force_on_tiny_histograms(seed, bins, k, density):
     nonempty = int((counts > 0).sum())
     if nonempty <= k - 2:
         cb = learn_codebook(torch.from_numpy(counts), k)
-        assert codebook_cost(torch.from_numpy(counts), cb) == pytest.approx(0, abs=1e-10)
+        assert codebook_cost(torch.from_numpy(counts), cb) == pytest.approx(
+            0, abs=1e-10
+        )
         return
     expected = brute_force_cost(counts, k)
     for got in (ref_cost(counts, k), dp_cost(counts, k), dp_cost(counts, k, "dc")):
@@ -102,10 +110,15 @@ def test_fast_equals_reference(seed, bins, k, density, integer):
     if int((counts > 0).sum()) <= k - 2:
         return
     x, c, _ = cbm._prepare(torch.from_numpy(counts), k)
-    ref, ref_bounds = cbm._solve_reference(x, c, k)
+    ref_dp, ref_bounds = cbm._solve_reference(x, c, k)
+    ref = cbm._partition_cost(ref_bounds, x, c)  # direct: no prefix-sum rounding
+    # The DP's own value carries prefix-sum rounding of order eps * total mass.
+    assert ref_dp == pytest.approx(ref, rel=1e-9, abs=1e-13 * c.sum())
     for method in ("auto", "dc", "knuth"):
-        got, bounds = cbm._solve_fast(x, c, k, method)
-        assert got == pytest.approx(ref, rel=1e-9, abs=1e-12), method
+        got_dp, bounds = cbm._solve_fast(x, c, k, method)
+        assert got_dp == pytest.approx(ref, rel=1e-9, abs=1e-13 * c.sum()), method
+        got = cbm._partition_cost(bounds, x, c)
+        assert got == pytest.approx(ref, rel=1e-9, abs=1e-15 * c.sum()), method
         if not integer:  # continuous weights: the optimum is unique (a.s.)
             assert bounds == ref_bounds, method
     if not integer:
@@ -143,7 +156,9 @@ def test_full_size_finishes_and_is_a_lloyd_fixed_point():
         assert m.any()
         assert codes[j] == pytest.approx(np.dot(c[m], x[m]) / c[m].sum(), abs=1e-6)
     # No codebook from a coarser DP (fewer codes, padded) can be better.
-    assert codebook_cost(counts, cb) < codebook_cost(counts, learn_codebook(counts, 128))
+    assert codebook_cost(counts, cb) < codebook_cost(
+        counts, learn_codebook(counts, 128)
+    )
 
 
 # ----------------------------------------------------------- codebook validity
@@ -258,3 +273,50 @@ def test_histogram_bf16_and_errors():
         histogram(torch.randn(4), 0)
     with pytest.raises(ValueError):
         histogram(torch.tensor([1.0, float("inf")]), 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_minima_dense_and_ragged_paths_agree_with_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = 600
+    x = np.sort(rng.uniform(-1, 1, n))
+    c = rng.exponential(size=n)
+    s0, s1, s2 = cbm._prefix(x, c)
+    prev = rng.uniform(0, 1, n + 1)
+    base = prev - s2
+    rows = np.arange(50, n + 1)
+    lo = np.maximum(rows - rng.integers(1, 20, rows.size), 0)
+    hi = np.minimum(lo + rng.integers(0, 12, rows.size), rows - 1)
+    expected = []
+    for t, a, b in zip(rows, lo, hi, strict=True):
+        s = np.arange(a, b + 1)
+        v = prev[s] + (s2[t] - s2[s]) - (s1[t] - s1[s]) ** 2 / (s0[t] - s0[s])
+        expected.append((v.min(), s[np.flatnonzero(v <= v.min() + 1e-12)[0]]))
+    exp_best, exp_arg = map(np.array, zip(*expected, strict=True))
+    for fn in (cbm._row_minima, cbm._ragged_minima):
+        best, arg = fn(base, s0, s1, s2, rows, lo, hi)
+        np.testing.assert_allclose(best, exp_best, rtol=1e-9, atol=1e-9)
+        np.testing.assert_array_equal(arg, exp_arg)
+    narrow = (hi - lo + 1) <= 8
+    best, arg = cbm._dense_minima(
+        base, s0, s1, s2, rows[narrow], lo[narrow], hi[narrow], 8
+    )
+    np.testing.assert_array_equal(arg, exp_arg[narrow])
+
+
+def test_knuth_fallback_to_divide_and_conquer_is_exact(monkeypatch):
+    """A layer whose windows are not certified within the round limit falls back to
+    divide and conquer; force that on every layer and compare with the reference."""
+    original = cbm._layer_knuth
+
+    def impatient(*args, **kwargs):
+        kwargs["max_rounds"] = 0
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cbm, "_layer_knuth", impatient)
+    for seed in range(3):
+        counts = random_counts(seed, 150, 0.7, integer=False)
+        x, c, _ = cbm._prepare(torch.from_numpy(counts), 12)
+        cost, bounds = cbm._solve_fast(x, c, 12)
+        ref_cost, ref_bounds = cbm._solve_reference(x, c, 12)
+        assert bounds == ref_bounds and cost == pytest.approx(ref_cost, rel=1e-9)

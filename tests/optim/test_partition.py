@@ -58,7 +58,9 @@ def test_row_scales_give_one_block_per_row():
 
 def test_column_scales_give_large_row_aligned_blocks():
     r = gen(1)
-    g = torch.randn(64, 256, generator=r) * torch.exp(2 * torch.randn(1, 256, generator=r))
+    g = torch.randn(64, 256, generator=r) * torch.exp(
+        2 * torch.randn(1, 256, generator=r)
+    )
     p = choose_period(g)
     assert p % 256 == 0 and p >= 4096  # whole rows; no contiguous split helps
 
@@ -127,7 +129,10 @@ def test_fused_qkv_blocks_never_straddle(d):
 
 def test_fused_qkv_with_row_scales_keeps_finer_structure():
     d = 128
-    g = row_scaled(3 * d, d, 9) * torch.tensor([1.0, 10.0, 0.1]).repeat_interleave(d)[:, None]
+    g = (
+        row_scaled(3 * d, d, 9)
+        * torch.tensor([1.0, 10.0, 0.1]).repeat_interleave(d)[:, None]
+    )
     p = choose_period(g)
     assert (d * d) % p == 0 and p % d == 0  # rows, never straddling q/k/v
     assert p <= 8 * d  # the row structure is kept, not just the thirds
@@ -181,17 +186,31 @@ def gpt_shapes(d: int, layers: int, vocab: int, ctx: int) -> dict[str, tuple]:
     shapes = {"wte": (vocab, d), "wpe": (ctx, d), "head": (vocab, d), "ln_f": (d,)}
     for i in range(layers):
         shapes |= {
-            f"{i}.ln1.w": (d,), f"{i}.ln1.b": (d,), f"{i}.qkv.w": (3 * d, d),
-            f"{i}.qkv.b": (3 * d,), f"{i}.proj.w": (d, d), f"{i}.proj.b": (d,),
-            f"{i}.ln2.w": (d,), f"{i}.ln2.b": (d,), f"{i}.fc.w": (4 * d, d),
-            f"{i}.fc.b": (4 * d,), f"{i}.out.w": (d, 4 * d), f"{i}.out.b": (d,),
+            f"{i}.ln1.w": (d,),
+            f"{i}.ln1.b": (d,),
+            f"{i}.qkv.w": (3 * d, d),
+            f"{i}.qkv.b": (3 * d,),
+            f"{i}.proj.w": (d, d),
+            f"{i}.proj.b": (d,),
+            f"{i}.ln2.w": (d,),
+            f"{i}.ln2.b": (d,),
+            f"{i}.fc.w": (4 * d, d),
+            f"{i}.fc.b": (4 * d,),
+            f"{i}.out.w": (d, 4 * d),
+            f"{i}.out.b": (d,),
         }
     return shapes
 
 
 MODELS = {
-    "mlp": {"w1": (512, 64), "b1": (512,), "w2": (512, 512), "b2": (512,),
-            "w3": (10, 512), "b3": (10,)},
+    "mlp": {
+        "w1": (512, 64),
+        "b1": (512,),
+        "w2": (512, 512),
+        "b2": (512,),
+        "w3": (10, 512),
+        "b3": (10,),
+    },
     "gpt128": gpt_shapes(128, 3, 65, 64),
     "gpt256": gpt_shapes(256, 4, 256, 128),
 }
@@ -201,7 +220,8 @@ MODELS = {
 def test_memory_floor_on_small_models(model):
     """Worst case: every tensor row-structured, so each takes its finest period."""
     grads = {
-        name: row_scaled(*shape, seed=i) if len(shape) == 2
+        name: row_scaled(*shape, seed=i)
+        if len(shape) == 2
         else torch.randn(shape, generator=gen(i)) * torch.linspace(0.01, 1, shape[0])
         for i, (name, shape) in enumerate(MODELS[model].items())
     }

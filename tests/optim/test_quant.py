@@ -173,7 +173,10 @@ def test_quantize_matches_reference(monkeypatch, k, n, period):
     deq = dequantize_blockwise(codes, absmax, period, cb)
     assert deq.dtype == torch.float32
     ref = torch.cat(
-        [cb[c] * a for c, a in zip(blocks_of(codes.long(), period), absmax, strict=True)]
+        [
+            cb[c] * a
+            for c, a in zip(blocks_of(codes.long(), period), absmax, strict=True)
+        ]
     )
     assert torch.equal(deq, ref)
     assert torch.all(deq[:period] == 0)  # zero block round-trips to zero

@@ -86,6 +86,14 @@ class ModuleOp:
         flat[:, self.canon_index.reshape(-1)] = canon.reshape(canon.shape[0], -1)
         return flat
 
+    def summed(self, data: list) -> torch.Tensor:
+        """Canonical ``(R, U)`` gradient summed over examples (the batch gradient)."""
+        out = None
+        for sl in self.chunks(data):
+            part = self.per_example(data, sl).sum(0)
+            out = part if out is None else out + part
+        return out
+
     def diag(self, data: list) -> torch.Tensor:
         """Canonical diagonal ``(R, U)``: sum over examples of squared gradients."""
         out = None

@@ -64,7 +64,8 @@ def mha_forward(
     Returns:
         ``((attn_output, attn_weights), taps)`` where the first pair is what the module
         returns and ``taps`` holds the batch-first projection inputs ``q_in, k_in,
-        v_in`` (N, L|S, E) and projected ``q, k, v`` (N, L|S, E).
+        v_in`` (N, L|S, E), projected ``q, k, v`` (N, L|S, E), and ``same`` (query,
+        key and value are one tensor).
     """
     if query.dim() != 3:
         raise ValueError(
@@ -116,4 +117,5 @@ def mha_forward(
     if need_weights:
         returned = weights.mean(dim=1) if average_attn_weights else weights
     taps = {"q_in": q_in, "k_in": k_in, "v_in": v_in, "q": q, "k": k, "v": v}
+    taps["same"] = query is key and key is value  # self-attention: one shared input
     return (out, returned), taps

@@ -75,7 +75,7 @@ def curvature(
             ``"hessian"``.
         shape: ``"full"``, ``"layer"``, ``"kron"``, ``"unit"`` or ``"diag"``.
         n_mc_samples: draws for ``"fisher_mc"`` (the result is their average).
-        generator: random generator for ``"fisher_mc"``.
+        generator: random generator for ``"fisher_mc"``, on the output's device.
         ignore_modules: module instances, classes or names to skip (whole subtrees).
 
     Returns:

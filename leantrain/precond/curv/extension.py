@@ -201,7 +201,9 @@ class CurvatureCollector:
             if name in self._mha:
                 continue
             hook = partial(self._on_forward, name)
-            self._handles.append(op.module.register_forward_hook(hook))
+            self._handles.append(
+                op.module.register_forward_hook(hook, with_kwargs=True)
+            )
         return self
 
     def detach(self) -> None:
@@ -235,7 +237,9 @@ class CurvatureCollector:
             if tensor.requires_grad:
                 tensor.register_hook(partial(self._on_grad, name, call, slot))
 
-    def _on_forward(self, name: str, module: nn.Module, args: tuple, output: object):
+    def _on_forward(self, name, module, args, kwargs, output):
+        if not args:  # input passed by keyword, e.g. linear(input=x)
+            args = tuple(kwargs.values())
         self._record(name, args, output)
 
     def _on_mha_forward(self, name, module, args, kwargs, output):
@@ -319,8 +323,8 @@ class CurvatureCollector:
             )
             ours = torch.zeros_like(auto)
             if data[name]:
-                for sl in op.chunks(data[name]):
-                    ours += op.per_example_flat(data[name], sl).sum(0).to(ours.dtype)
+                flat_index = op.canon_index.reshape(-1)
+                ours[flat_index] = op.summed(data[name]).reshape(-1).to(ours.dtype)
             pairs.append((name, auto, ours))
         scale = max(float(a.norm()) for _, a, _ in pairs) if pairs else 0.0
         for name, auto, ours in pairs:

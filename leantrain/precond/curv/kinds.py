@@ -54,6 +54,10 @@ class LossSpec:
         name: ``"cross_entropy"`` or ``"mse"``.
         reduction: ``"mean"`` or ``"sum"``.
         ignore_index: target value skipped by cross-entropy (as in torch).
+
+    Example:
+        >>> as_loss_spec(nn.MSELoss(reduction="sum"))
+        LossSpec(name='mse', reduction='sum', ignore_index=-100)
     """
 
     name: str

@@ -95,6 +95,14 @@ class LinearFormOp(ModuleOp):
             return a
         return torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
 
+    def summed(self, data: list[Site]) -> torch.Tensor:
+        # sum_n sum_t e a^T as one matrix product: no per-example gradient
+        out = []
+        for site in data:
+            e = site.e.reshape(-1, site.e.shape[-1])
+            out.append(e.T @ self._augmented(site.a).reshape(e.shape[0], -1))
+        return torch.cat(out)
+
     def diag(self, data: list[Site]) -> torch.Tensor:
         if any(site.a.shape[1] != 1 for site in data):
             return super().diag(data)
@@ -253,6 +261,12 @@ class EmbeddingOp(LinearFormOp):
         g = e.new_zeros(e.shape[0], self.cols, self.rows).scatter_add_(1, index, e)
         return g.transpose(1, 2)  # (n, D, V)
 
+    def summed(self, data: list[Site]) -> torch.Tensor:
+        site = data[0]
+        e = site.e.reshape(-1, self.rows)
+        out = e.new_zeros(self.cols, self.rows)
+        return out.index_add_(0, site.a.reshape(-1), e).T
+
     def diag(self, data: list[Site]) -> torch.Tensor:
         site = data[0]
         if site.a.shape[1] != 1:
@@ -294,7 +308,7 @@ class MultiheadAttentionOp(LinearFormOp):
     def record(self, args: tuple, output: object) -> tuple[dict, list]:
         taps = output  # the collector passes mha_forward's taps here
         e = self.module.embed_dim
-        same = taps["q_in"] is taps["k_in"] and taps["k_in"] is taps["v_in"]
+        same = taps["same"]
         a = [_acc(taps[k]) for k in ("q_in", "k_in", "v_in")]
         shapes = [(*taps[k].shape[:2], e) for k in ("q", "k", "v")]
         rows = [slice(0, e), slice(e, 2 * e), slice(2 * e, 3 * e)]

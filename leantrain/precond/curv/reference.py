@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, hessian, jacrev, vmap  # noqa: F401
+from torch.func import functional_call, grad, hessian, jacrev, vmap
 
 from .api import user_loss
-from .kinds import as_loss_spec, check_kind, reduction_factor
+from .kinds import as_loss_spec, check_kind, loss_value, reduction_factor
 
 __all__ = [
     "dense_curvature",
@@ -105,7 +105,7 @@ def dense_empirical_fisher(
 
     def example_loss(t: torch.Tensor, target: torch.Tensor, *xs: torch.Tensor):
         out = f(t, *(x.unsqueeze(0) for x in xs))
-        return user_loss(summed.name, summed, out, target.unsqueeze(0))
+        return loss_value(summed, out, target.unsqueeze(0))
 
     per_example = vmap(grad(example_loss), in_dims=(None, 0) + (0,) * len(args))(
         theta, targets, *args

@@ -40,6 +40,15 @@ class KronFactor:
         index: ``(I, J[+1])`` positions (in the module's flat parameters) of the
             canonical entries: row ``i`` is output unit ``i`` of this site, column
             ``j < J`` its weight on input ``j``, the last column its bias.
+
+
+    Example:
+        >>> index = torch.arange(6).reshape(3, 2)
+        >>> f = KronFactor(torch.eye(2), 2 * torch.eye(3), index)
+        >>> f.to_dense().shape
+        torch.Size([6, 6])
+        >>> torch.equal(f.mvp(torch.ones(3, 2)), 2 * torch.ones(3, 2))
+        True
     """
 
     A: torch.Tensor
@@ -72,6 +81,14 @@ class ModuleCurvature:
         unit_index: ``(R, U)`` positions in the module's flat parameters of unit
             ``r``'s entries.
         kron: Kronecker factors ("kron"), one per site.
+
+    Example:
+        >>> from leantrain.precond.curv import curvature
+        >>> model = nn.Sequential(nn.Linear(3, 2))
+        >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
+        >>> part = curvature(model, "mse", x, y, kind="ggn", shape="kron")["0"]
+        >>> part.A.shape, part.B.shape, part.index.tolist()
+        (torch.Size([4, 4]), torch.Size([2, 2]), [0, 1, 2, 3, 4, 5, 6, 7])
     """
 
     name: str
@@ -101,6 +118,19 @@ class ModuleCurvature:
                 f"(shape {self.shape!r}); read .kron for the list"
             )
         return self.kron[0]
+
+    def diag(self) -> torch.Tensor:
+        """The ``(P_m,)`` diagonal of the block, without forming the block."""
+        if self.block is not None:
+            return self.block.diagonal().clone()
+        if self.diagonal is not None:
+            return self.diagonal
+        out = self._ref().new_zeros(self.index.numel())
+        if self.units is not None:
+            out[self.unit_index] = self.units.diagonal(dim1=-2, dim2=-1)
+        for factor in self.kron:
+            out[factor.index] = torch.outer(factor.B.diagonal(), factor.A.diagonal())
+        return out
 
     def to_dense(self) -> torch.Tensor:
         """The module's ``(P_m, P_m)`` block as this representation keeps it."""
@@ -215,10 +245,7 @@ class Curvature:
         dtype, device = self._dtype_device()
         out = torch.zeros(self.numel, dtype=dtype, device=device)
         for part in self.modules.values():
-            if part.diagonal is not None:
-                out[part.index] = part.diagonal.to(dtype)
-            else:
-                out[part.index] = part.to_dense().diagonal().to(dtype)
+            out[part.index] = part.diag().to(dtype)
         return out
 
     def trace(self) -> float:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _curv_helpers import masked
-from conftest import make_case, rel_err
+from _curv_models import make_case, rel_err
 from torch import nn
 
 from leantrain.precond.curv import (
@@ -217,3 +217,28 @@ def test_ignored_and_frozen_parameters_get_zero_rows():
     assert got.to_dense().shape == (25, 25)  # fc2 frozen: only fc1's parameters
     assert torch.count_nonzero(got.to_dense()) == 0
     assert list(got.modules) == []
+
+
+class SeqFirstSelfAttn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2)  # batch_first=False
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):  # x: (N, L, E)
+        h = x.transpose(0, 1)
+        out, _ = self.attn(h, h, h)
+        return self.fc(input=out.mean(0))  # input passed by keyword
+
+
+def test_sequence_first_self_attention_and_keyword_input():
+    torch.manual_seed(0)
+    model = SeqFirstSelfAttn().double()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    y = torch.randint(0, 2, (3,))
+    ref = dense_curvature(model, "cross_entropy", x, y, "ggn")
+    got = curvature(model, "cross_entropy", x, y, kind="ggn", shape="full")
+    assert rel_err(got.to_dense(), ref) < 1e-10
+    kron = curvature(model, "cross_entropy", x, y, kind="ggn", shape="kron")
+    assert len(kron["attn"].kron) == 1  # one shared input: packed q, k, v factors
+    assert kron["attn"].B.shape == (12, 12)

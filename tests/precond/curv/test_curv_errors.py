@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_case
+from _curv_models import make_case
 from torch import nn
 
 from leantrain.precond.curv import as_loss_spec, curvature

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _curv_helpers import masked
-from conftest import rel_err
+from _curv_models import rel_err
 from torch import nn
 
 from leantrain.precond.curv import curvature, dense_curvature
@@ -72,7 +72,7 @@ def test_mse_diag_and_unit_blocks_exact(case):
 
 @pytest.mark.parametrize("kind", ["ggn", "fisher_emp", "hessian"])
 def test_mean_versus_sum_scaling(kind):
-    from conftest import make_case
+    from _curv_models import make_case
 
     case = make_case("embed_ln")
     numel = case.mse_targets.numel()
@@ -111,7 +111,7 @@ def test_mean_versus_sum_scaling(kind):
 
 def test_reference_hessian_matches_finite_differences():
     """Guards the reference itself (torch.func.hessian is wrong on these models)."""
-    from conftest import make_case
+    from _curv_models import make_case
 
     from leantrain.precond.curv.reference import _flat_model
 
@@ -130,3 +130,58 @@ def test_reference_hessian_matches_finite_differences():
         step[j] = 1e-6
         fd = (grad_at(theta + step) - grad_at(theta - step)) / 2e-6
         assert rel_err(ref[:, j], fd) < 1e-6
+
+
+@pytest.mark.parametrize("shape", ["unit", "diag", "layer"])
+def test_closed_forms_for_one_position(shape):
+    """Embedding and Linear on a single position take the closed-form path."""
+    from _curv_models import make_case
+
+    case = make_case("embed_ln", seq=1)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    ref = dense_curvature(case.model, loss, case.inputs, case.ce_targets, "fisher_emp")
+    got = curvature(
+        case.model, loss, case.inputs, case.ce_targets, kind="fisher_emp", shape=shape
+    )
+    assert rel_err(got.to_dense(), masked(ref, case.model, shape)) < 1e-10
+
+
+def test_conv_same_padding_dilation_and_4d_linear_input():
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        nn.Conv2d(2, 2, 3, padding="same", dilation=2),
+        nn.Tanh(),
+        nn.Linear(5, 2),  # acts on the last dim of (N, C, H, W): positions C*H
+        nn.Flatten(),
+    ).double()
+    x = torch.randn(3, 2, 4, 5, dtype=torch.float64)
+    targets = torch.randn(3, 16, dtype=torch.float64)
+    ref = dense_curvature(model, "mse", x, targets, "ggn")
+    for shape in ("full", "unit", "diag"):
+        got = curvature(model, "mse", x, targets, kind="ggn", shape=shape)
+        assert rel_err(got.to_dense(), masked(ref, model, shape)) < 1e-10
+
+
+def test_float32_model_agrees_with_float64():
+    from _curv_models import make_case
+
+    case = make_case("cnn")
+    ref = curvature(
+        case.model,
+        "cross_entropy",
+        case.inputs,
+        case.ce_targets,
+        kind="ggn",
+        shape="kron",
+    )
+    model32 = case.model.float()
+    got = curvature(
+        model32,
+        "cross_entropy",
+        case.inputs.float(),
+        case.ce_targets,
+        kind="ggn",
+        shape="kron",
+    )
+    assert got.to_dense().dtype == torch.float32
+    assert rel_err(got.to_dense().double(), ref.to_dense()) < 1e-5

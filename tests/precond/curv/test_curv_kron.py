@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _curv_helpers import masked, module_groups
-from conftest import make_case, rel_err
+from _curv_models import make_case, rel_err
 from torch import nn
 from torch.func import hessian
 

@@ -60,3 +60,21 @@ def test_pi_damping_balances_the_factors():
     assert da * db == pytest.approx(0.04)
     # equal relative damping: (da / mean eig A) == (db / mean eig B)
     assert da / (a.trace() / 4) == pytest.approx(float(db / (b.trace() / 3)))
+
+
+def test_robust_eigh_retries_in_float64(monkeypatch):
+    real = torch.linalg.eigh
+    seen = []
+
+    def flaky(m):  # LAPACK failing to converge in float32, as it does on bad factors
+        seen.append(m.dtype)
+        if m.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("failed to converge")
+        return real(m)
+
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    m = _spd(4).float()
+    vals, vecs = robust_eigh(m)
+    assert seen == [torch.float32, torch.float64]
+    assert vals.dtype == torch.float32
+    assert torch.allclose(vecs @ torch.diag(vals) @ vecs.T, m, atol=1e-5)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import make_case, rel_err
+from _curv_models import make_case, rel_err
 from torch import nn
 
 from leantrain.precond.curv import curvature

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_case
+from _curv_models import make_case
 
 from leantrain.precond.curv import curvature
 
@@ -36,6 +36,7 @@ def test_mvp_matches_dense(model_name, shape):
     assert torch.allclose(
         torch.cat([t.reshape(-1) for t in out]), dense @ v, rtol=1e-10, atol=1e-12
     )
+    assert torch.allclose(got.diagonal(), dense.diagonal(), rtol=1e-12, atol=1e-14)
     # per-module blocks
     for part in got.modules.values():
         sub = dense[part.index.unsqueeze(-1), part.index.unsqueeze(-2)]

@@ -1,0 +1,356 @@
+r"""Shared machinery of the Kronecker-factored makers (K-FAC, EKFAC).
+
+:class:`KronFactorMaker` runs the curvature pass through the curvature layer's
+:class:`~leantrain.precond.curv.CurvatureCollector` and keeps, per module, the
+(bias-corrected EMA) Kronecker factors ``A`` (inputs) and ``B`` (output-gradients)
+of every site, or the exact unit blocks of LayerNorm / BatchNorm. Subclasses turn
+them into a preconditioner.
+
+Gradients are handled in the curvature layer's *canonical layout*: a module's
+gradient is a matrix ``G`` of shape ``(R, U)`` (output units by ``[inputs, 1]``);
+for ``nn.Linear`` it is ``[dW, db]``, for ``nn.Conv2d`` the weight flattened per
+output channel with its bias, for ``nn.Embedding`` the weight transposed, for
+``nn.MultiheadAttention`` ``[in_proj_weight, in_proj_bias]``. K-FAC then reads
+``(B ⊗ A)^{-1} vec(G) = vec(B^{-1} G A^{-1})``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from leantrain.precond.curv import (
+    CurvatureCollector,
+    as_loss_spec,
+    cholesky_inverse,
+    output_vectors,
+)
+from leantrain.precond.curv.kinds import reduction_factor
+from leantrain.precond.curv.modules import SUPPORTED_MODULES, ModuleOp
+from leantrain.precond.gradient_maker import unwrap_model
+from leantrain.precond.preconditioned import (
+    PreconditionedGradientMaker,
+    PreconditioningConfig,
+)
+
+__all__ = [
+    "FISHER_TYPES",
+    "KronFactorMaker",
+    "damped_inverse",
+    "default_logits",
+    "read_canonical",
+    "write_canonical",
+]
+
+FISHER_TYPES = ("fisher_mc", "fisher_exact", "fisher_emp")
+
+
+def default_logits(output: Any) -> Tensor:
+    """The logits in a model output: the tensor itself, ``output[0]`` of a tuple or
+    list, ``output["logits"]`` of a dict, or ``output.logits``."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    if isinstance(output, dict) and isinstance(output.get("logits"), Tensor):
+        return output["logits"]
+    if isinstance(getattr(output, "logits", None), Tensor):
+        return output.logits
+    raise TypeError(
+        f"cannot find the logits in a model output of type {type(output).__name__}; "
+        "pass logits_fn=lambda output: ... to the maker"
+    )
+
+
+def damped_inverse(matrix: Tensor, damping: float) -> Tensor:
+    """``(M + damping I)^{-1}`` for symmetric PSD ``M`` (batched), one Cholesky.
+
+    The fast path of :func:`~leantrain.precond.curv.cholesky_inverse`: factors the
+    damped matrix in its own dtype without the symmetrizing copies (Cholesky reads
+    one triangle), which costs ~40% less on a 256x256 factor; on failure (or a
+    half-precision factor) it falls back to ``cholesky_inverse`` and its fp64 retry.
+    """
+    if matrix.dtype in (torch.float32, torch.float64):
+        damped = matrix.clone()
+        damped.diagonal(dim1=-2, dim2=-1).add_(damping)
+        factor, info = torch.linalg.cholesky_ex(damped)
+        if not bool((info != 0).any()):
+            return torch.cholesky_inverse(factor)
+    return cholesky_inverse(matrix, damping)
+
+
+def read_canonical(op: ModuleOp) -> Tensor | None:
+    """The module's gradient in canonical ``(R, U)`` layout (``None``: no grad)."""
+    grads = [p.grad for p in op.params]
+    if all(g is None for g in grads):
+        return None
+    module = op.module
+    if isinstance(module, (nn.Linear, nn.Conv2d)):  # fast path: no gather
+        w = grads[0] if grads[0] is not None else torch.zeros_like(op.params[0])
+        w = w.reshape(w.shape[0], -1)
+        if len(grads) == 1:
+            return w
+        b = grads[1] if grads[1] is not None else torch.zeros_like(op.params[1])
+        return torch.cat([w, b.unsqueeze(1)], dim=1)
+    flat = torch.cat(
+        [
+            (g if g is not None else torch.zeros_like(p)).reshape(-1)
+            for p, g in zip(op.params, grads, strict=True)
+        ]
+    )
+    return flat[op.canon_index]
+
+
+def write_canonical(op: ModuleOp, canon: Tensor) -> None:
+    """Write a canonical ``(R, U)`` matrix back into the module's ``.grad`` fields."""
+    module = op.module
+    if isinstance(module, (nn.Linear, nn.Conv2d)):
+        pieces = [canon[:, : op.params[0][0].numel()]]
+        if len(op.params) == 2:
+            pieces.append(canon[:, -1])
+    else:
+        flat = canon.new_empty(op.numel)
+        flat[op.canon_index.reshape(-1)] = canon.reshape(-1)
+        pieces = list(flat.split([p.numel() for p in op.params]))
+    for p, piece in zip(op.params, pieces, strict=True):
+        piece = piece.reshape(p.shape).to(p.dtype)
+        if p.grad is None:
+            p.grad = piece.clone()
+        else:  # in place: DDP may hold .grad as a view of its buckets
+            p.grad.copy_(piece)
+
+
+class _PassCollector(CurvatureCollector):
+    """The curvature layer's collector, with a callback on every backward pass.
+
+    EKFAC needs the per-pass sites (inputs and output-gradients) to re-estimate its
+    scaling in the eigenbasis; the collector only keeps running factor sums.
+    """
+
+    on_pass: Callable[[dict], None] | None = None
+
+    def _update(self, data: dict) -> None:
+        super()._update(data)
+        if self.on_pass is not None:
+            self.on_pass({name: sites for name, sites in data.items() if sites})
+
+
+class KronFactorMaker(PreconditionedGradientMaker):
+    """Base of the makers built on Kronecker factors ``B ⊗ A`` (see module doc).
+
+    Args:
+        model: the module to train (plain or ``DistributedDataParallel``).
+        config: schedule, damping, EMA decay, ignored modules.
+        fisher_type: ``"fisher_mc"`` (``n_mc_samples`` targets drawn from the model,
+            averaged), ``"fisher_exact"`` (one backward per class) or
+            ``"fisher_emp"`` (the loss gradient itself, no extra backward vector).
+        n_mc_samples: draws for ``"fisher_mc"``.
+        loss_type: ``"cross_entropy"`` or ``"mse"``: the likelihood whose Fisher is
+            taken (the loss you compute should be its negative log).
+        loss_reduction: ``"mean"`` or ``"sum"``, as the loss you compute reduces.
+        logits_fn: maps the model output to the logits (batch first); default
+            :func:`default_logits`.
+        seed: seeds the Monte-Carlo draws (saved by ``state_dict``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PreconditioningConfig | None = None,
+        *,
+        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"] = "fisher_mc",
+        n_mc_samples: int = 1,
+        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        logits_fn: Callable[[Any], Tensor] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if fisher_type not in FISHER_TYPES:
+            raise ValueError(
+                f"fisher_type must be one of {FISHER_TYPES}, got {fisher_type!r}"
+            )
+        if isinstance(n_mc_samples, bool) or not isinstance(n_mc_samples, int):
+            raise TypeError(f"n_mc_samples must be an int, got {n_mc_samples!r}")
+        if n_mc_samples < 1:
+            raise ValueError(f"n_mc_samples must be >= 1, got {n_mc_samples}")
+        if loss_type not in ("cross_entropy", "mse"):
+            raise ValueError(
+                f"loss_type must be 'cross_entropy' or 'mse', got {loss_type!r}"
+            )
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(
+                f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
+            )
+        if logits_fn is not None and not callable(logits_fn):
+            raise TypeError(f"logits_fn must be callable, got {logits_fn!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.fisher_type = fisher_type
+        self.n_mc_samples = n_mc_samples
+        self.loss_type = loss_type
+        self.loss_reduction = loss_reduction
+        self.logits_fn = logits_fn or default_logits
+        self.generator = torch.Generator().manual_seed(seed)
+        # Per module name: {"A": [..], "B": [..], "rows": [..]} or {"unit": tensor}.
+        self.factors: dict[str, dict[str, Any]] = {}
+        self._stats: dict[str, dict] = {}
+        super().__init__(model, config)
+        inner = unwrap_model(model)
+        selected = {name for name, _ in self.modules()}
+        ignored = [
+            name
+            for name, m in inner.named_modules()
+            if name not in selected
+            and any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        self._collector = _PassCollector(
+            inner,
+            shapes=("kron",),
+            ignore_modules=ignored,
+            # BatchNorm in training mode: batch statistics treated as constants.
+            allow_batch_coupling=True,
+            check_gradients=False,  # a per-example check each step would double cost
+        )
+        self.ops: dict[str, ModuleOp] = self._collector.ops
+
+    def is_supported(self, module: nn.Module) -> bool:
+        """Linear (and subclasses), Conv2d, Embedding, LayerNorm, BatchNorm1d/2d and
+        the packed ``in_proj`` of MultiheadAttention, owning trainable parameters."""
+        return isinstance(module, SUPPORTED_MODULES) and any(
+            p.requires_grad for p in module.parameters(recurse=False)
+        )
+
+    # -- the curvature pass -----------------------------------------------------
+    def _curvature_pass(self) -> tuple[Any, Tensor]:
+        inner = unwrap_model(self.model)
+        fn = self.model_call[0]
+        if isinstance(fn, nn.Module) and unwrap_model(fn) is inner:
+            fn = inner  # bypass DDP: we average gradient and factors ourselves
+        params = [p for p in inner.parameters() if p.requires_grad]
+        with torch.enable_grad(), self._collector:
+            output = self._call_model(fn)
+            loss = self._loss_from_output(output)
+            logits = self.logits_fn(output)
+            if not isinstance(logits, Tensor) or not logits.requires_grad:
+                raise TypeError(
+                    "logits_fn must return the logits tensor of the model output "
+                    "(attached to the graph)"
+                )
+            emp = self.fisher_type == "fisher_emp"
+            grads = torch.autograd.grad(
+                loss,
+                params + ([logits] if emp else []),
+                retain_graph=True,
+                allow_unused=True,
+            )
+            self._accumulate_grads(params, list(grads[: len(params)]))
+            self._collector.accumulate(logits, self._vectors(logits, grads[-1]))
+        self._stats = self._collector.statistics()
+        self._collector.reset()
+        self._sync_stats()
+        return output, loss.detach()
+
+    def _accumulate_grads(self, params: list[Tensor], grads: list) -> None:
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        self._all_reduce_mean(grads)
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+    def _vectors(self, logits: Tensor, dlogits: Tensor | None) -> list[Tensor]:
+        spec = as_loss_spec(self.loss_type)
+        spec = type(spec)(spec.name, self.loss_reduction)
+        out = logits.detach()
+        if spec.name == "cross_entropy":
+            targets = torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
+        else:
+            targets = torch.zeros_like(out)
+        if self.fisher_type == "fisher_emp":
+            # The loss gradient is r * grad(l_n); the empirical Fisher wants sqrt(r).
+            r = reduction_factor(spec, out, targets)
+            return [dlogits / math.sqrt(r)]
+        return list(
+            output_vectors(
+                self.fisher_type,
+                spec,
+                out,
+                targets,
+                n_mc_samples=self.n_mc_samples,
+                generator=self.generator,
+            )
+        )
+
+    def _sync_stats(self) -> None:
+        tensors = []
+        for name in sorted(self._stats):
+            stats = self._stats[name]
+            for key in ("A", "B"):
+                tensors += [t for t in stats.get(key, []) if t is not None]
+            if "unit" in stats:
+                tensors.append(stats["unit"])
+        self._all_reduce_mean(tensors)
+
+    # -- factors ----------------------------------------------------------------
+    def update_curvature(self) -> None:
+        """Fold this pass's factors into the (EMA) estimates in :attr:`factors`."""
+        for name, stats in self._stats.items():
+            if "unit" in stats:
+                self.factors[name] = {"unit": self._ema_update(f"{name}/U", stats["unit"])}
+                continue
+            if "A" not in stats:
+                continue  # the module saw no gradient in this pass
+            factors = {"A": [], "B": [], "rows": stats["rows"]}
+            for i, (a, b) in enumerate(zip(stats["A"], stats["B"], strict=True)):
+                if b is None:  # this site saw no gradient: its B is zero
+                    k = stats["rows"][i].stop - stats["rows"][i].start
+                    b = a.new_zeros(k, k)
+                factors["A"].append(self._ema_update(f"{name}/A{i}", a))
+                factors["B"].append(self._ema_update(f"{name}/B{i}", b))
+            self.factors[name] = factors
+        self._stats = {}
+
+    # -- state ------------------------------------------------------------------
+    def _factor_state(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for name, f in self.factors.items():
+            if "unit" in f:
+                out[f"{name}/U"] = f["unit"]
+            else:
+                for i, (a, b) in enumerate(zip(f["A"], f["B"], strict=True)):
+                    out[f"{name}/A{i}"], out[f"{name}/B{i}"] = a, b
+        return out
+
+    def _load_factor_state(self, state: dict[str, Tensor]) -> None:
+        factors: dict[str, dict[str, Any]] = {}
+        for key, value in state.items():
+            name, _, part = key.rpartition("/")
+            if name not in self.ops:
+                raise ValueError(f"factor {key!r} names no preconditioned module")
+            if part == "U":
+                factors[name] = {"unit": value.clone()}
+                continue
+            f = factors.setdefault(name, {"A": {}, "B": {}})
+            f[part[0]][int(part[1:])] = value.clone()
+        for name, f in factors.items():
+            if "unit" in f:
+                continue
+            n = len(f["A"])
+            f["A"] = [f["A"][i] for i in range(n)]
+            f["B"] = [f["B"][i] for i in range(n)]
+            op = self.ops[name]
+            f["rows"] = (
+                [slice(0, op.canon_index.shape[0])]
+                if n == 1
+                else [slice(i * b.shape[0], (i + 1) * b.shape[0]) for i, b in
+                      enumerate(f["B"])]
+            )
+        self.factors = factors
+
+    def _generator_state(self) -> Tensor:
+        return self.generator.get_state()

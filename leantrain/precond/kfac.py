@@ -1,0 +1,247 @@
+r"""K-FAC: Kronecker-factored approximate curvature (Martens & Grosse, 2015).
+
+For a layer ``y_t = W a_t + b`` the Fisher block of ``[W, b]`` is approximated by
+``B ⊗ A`` with ``A = sum_{n,t} ã ã^T / N`` (inputs with a trailing 1 for the bias)
+and ``B = sum_{n,t} e e^T`` (output-gradients of the back-propagated Fisher vectors,
+see ``docs/curvature.md``). The preconditioned gradient of the canonical gradient
+matrix ``G`` (rows: output units, columns: ``[inputs, 1]``) is, by ``damping_mode``:
+
+* ``"pi"``: ``(B + λ_B I)^{-1} G (A + λ_A I)^{-1}`` with the π split of λ
+  (:func:`~leantrain.precond.curv.pi_damping`), two Cholesky inverses;
+* ``"tikhonov"``: the same with ``λ_A = λ_B = sqrt(λ)``;
+* ``"exact"``: ``(B ⊗ A + λ I)^{-1} vec(G)`` through the eigendecompositions
+  ``A = Q_A Λ_A Q_A^T``, ``B = Q_B Λ_B Q_B^T``:
+  ``Q_B [(Q_B^T G Q_A) / (λ_B λ_A^T + λ)] Q_A^T``.
+
+LayerNorm and BatchNorm get their exact unit blocks (``[γ_i, β_i]``, 2x2 per unit)
+inverted with Tikhonov damping λ; BatchNorm in training mode treats the batch
+statistics as constants (the usual K-FAC approximation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from leantrain.precond._kron import (
+    KronFactorMaker,
+    damped_inverse,
+    read_canonical,
+    write_canonical,
+)
+from leantrain.precond.curv import cholesky_inverse, pi_damping, robust_eigh
+from leantrain.precond.preconditioned import PreconditioningConfig
+
+__all__ = ["DAMPING_MODES", "KfacGradientMaker", "kfac_precondition"]
+
+DAMPING_MODES = ("pi", "tikhonov", "exact")
+
+
+def kfac_precondition(
+    grad: Tensor, a: Tensor, b: Tensor, damping: float, mode: str = "pi"
+) -> Tensor:
+    r"""Reference: the K-FAC preconditioned ``grad`` for one site (no caching).
+
+    Args:
+        grad: canonical gradient ``(R, U)``.
+        a: input factor ``(U, U)``.
+        b: output factor ``(R, R)``.
+        damping: λ > 0.
+        mode: ``"pi"``, ``"tikhonov"`` or ``"exact"`` (see the module docstring).
+
+    Returns:
+        The preconditioned ``(R, U)`` matrix.
+    """
+    if mode == "exact":
+        la, qa = robust_eigh(a)
+        lb, qb = robust_eigh(b)
+        inner = qb.T @ grad @ qa
+        return qb @ (inner / (lb.unsqueeze(1) * la.unsqueeze(0) + damping)) @ qa.T
+    if mode == "pi":
+        damp_a, damp_b = pi_damping(a, b, damping)
+    else:
+        damp_a = damp_b = math.sqrt(damping)
+    return cholesky_inverse(b, damp_b) @ grad @ cholesky_inverse(a, damp_a)
+
+
+class KfacGradientMaker(KronFactorMaker):
+    r"""K-FAC with exact, Monte-Carlo or empirical Fisher factors.
+
+    Curvature steps collect ``A`` and ``B`` of every supported module from module
+    hooks (batched matmuls, no per-example gradients) and fold them into a
+    bias-corrected EMA (``config.ema_decay``); preconditioner steps invert them
+    (Cholesky, or ``eigh`` for ``damping_mode="exact"``); every step applies
+    ``B^{-1} G A^{-1}`` per layer (two matmuls). Under ``DistributedDataParallel``
+    curvature steps bypass the wrapper and average the gradient and the factors over
+    the group, so every rank holds the union-batch factors (for ``"fisher_mc"`` the
+    draws differ per rank, so only the expectation matches).
+
+    Args:
+        model: the module to train (plain or ``DistributedDataParallel``).
+        config: schedule, damping λ, EMA decay, ignored modules.
+        fisher_type: ``"fisher_mc"``, ``"fisher_exact"`` or ``"fisher_emp"``.
+        n_mc_samples: Monte-Carlo draws per example, averaged.
+        damping_mode: ``"pi"``, ``"tikhonov"`` or ``"exact"`` (module docstring).
+        loss_type: ``"cross_entropy"`` or ``"mse"``.
+        loss_reduction: ``"mean"`` or ``"sum"``, as your loss reduces.
+        logits_fn: maps the model output to the logits (batch first).
+        seed: seeds the Monte-Carlo draws.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from leantrain.precond import PreconditioningConfig
+        >>> from leantrain.precond.kfac import KfacGradientMaker
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 3))
+        >>> gm = KfacGradientMaker(model, PreconditioningConfig(damping=1e-3))
+        >>> y = gm.setup_model_call(model, torch.randn(16, 4))
+        >>> gm.setup_loss_call(F.cross_entropy, y, torch.randint(0, 3, (16,)))
+        >>> output, loss = gm.forward_and_backward()
+        >>> sorted(gm.factors), gm.factors["0"]["A"][0].shape
+        (['0', '2'], torch.Size([5, 5]))
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PreconditioningConfig | None = None,
+        *,
+        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"] = "fisher_mc",
+        n_mc_samples: int = 1,
+        damping_mode: Literal["pi", "tikhonov", "exact"] = "pi",
+        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        logits_fn: Callable[[Any], Tensor] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if damping_mode not in DAMPING_MODES:
+            raise ValueError(
+                f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}"
+            )
+        self.damping_mode = damping_mode
+        # Per module: {"A": [..], "B": [..]} inverses (or eigenpairs for "exact"),
+        # or {"unit": (R, U, U) inverses}.
+        self.inverses: dict[str, dict[str, Any]] = {}
+        super().__init__(
+            model,
+            config,
+            fisher_type=fisher_type,
+            n_mc_samples=n_mc_samples,
+            loss_type=loss_type,
+            loss_reduction=loss_reduction,
+            logits_fn=logits_fn,
+            seed=seed,
+        )
+
+    def update_preconditioner(self) -> None:
+        """Invert the damped factors (or eigendecompose them for ``"exact"``)."""
+        lam = self.config.damping
+        inverses: dict[str, dict[str, Any]] = {}
+        for name, f in self.factors.items():
+            if "unit" in f:
+                inverses[name] = {"unit": damped_inverse(f["unit"], lam)}
+                continue
+            inv: dict[str, list] = {"A": [], "B": []}
+            for a, b in zip(f["A"], f["B"], strict=True):
+                if self.damping_mode == "exact":
+                    inv["A"].append(robust_eigh(a))
+                    inv["B"].append(robust_eigh(b))
+                    continue
+                if self.damping_mode == "pi":
+                    damp_a, damp_b = pi_damping(a, b, lam)
+                else:
+                    damp_a = damp_b = math.sqrt(lam)
+                inv["A"].append(damped_inverse(a, damp_a))
+                inv["B"].append(damped_inverse(b, damp_b))
+            inverses[name] = inv
+        self.inverses = inverses
+
+    @torch.no_grad()
+    def precondition(self) -> None:
+        """``.grad`` of each module ← its (possibly stale) K-FAC preconditioned grad."""
+        lam = self.config.damping
+        for name, inv in self.inverses.items():
+            op = self.ops[name]
+            g = read_canonical(op)
+            if g is None:
+                continue
+            dtype = g.dtype
+            if "unit" in inv:
+                u = inv["unit"].to(dtype)
+                write_canonical(op, torch.einsum("ruv,rv->ru", u, g))
+                continue
+            out = torch.empty_like(g)
+            for i, rows in enumerate(self.factors[name]["rows"]):
+                gs = g[rows]
+                if self.damping_mode == "exact":
+                    (la, qa), (lb, qb) = inv["A"][i], inv["B"][i]
+                    inner = qb.T.to(dtype) @ gs @ qa.to(dtype)
+                    scale = lb.unsqueeze(1) * la.unsqueeze(0) + lam
+                    out[rows] = qb.to(dtype) @ (inner / scale.to(dtype)) @ qa.T.to(dtype)
+                else:
+                    out[rows] = inv["B"][i].to(dtype) @ gs @ inv["A"][i].to(dtype)
+            write_canonical(op, out)
+
+    # -- state ------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        inverses: dict[str, Tensor] = {}
+        for name, inv in self.inverses.items():
+            if "unit" in inv:
+                inverses[f"{name}/U"] = inv["unit"]
+                continue
+            for key in ("A", "B"):
+                for i, item in enumerate(inv[key]):
+                    if isinstance(item, tuple):
+                        inverses[f"{name}/{key}{i}/values"] = item[0]
+                        inverses[f"{name}/{key}{i}/vectors"] = item[1]
+                    else:
+                        inverses[f"{name}/{key}{i}"] = item
+        return {
+            "factors": self._factor_state(),
+            "inverses": inverses,
+            "generator": self._generator_state(),
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {
+            "factors",
+            "inverses",
+            "generator",
+        }:
+            raise ValueError(
+                "state['extra'] must hold 'factors', 'inverses' and 'generator'"
+            )
+        for key in ("factors", "inverses"):
+            if not isinstance(state[key], dict) or not all(
+                isinstance(v, Tensor) for v in state[key].values()
+            ):
+                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
+        self._load_factor_state(state["factors"])
+        inverses: dict[str, dict[str, Any]] = {}
+        pending: dict[tuple[str, str, int], dict[str, Tensor]] = {}
+        for key, value in state["inverses"].items():
+            parts = key.split("/")
+            if parts[-1] in ("values", "vectors"):
+                name, slot, which = "/".join(parts[:-2]), parts[-2], parts[-1]
+                pending.setdefault((name, slot[0], int(slot[1:])), {})[which] = value
+                continue
+            name, slot = "/".join(parts[:-1]), parts[-1]
+            if slot == "U":
+                inverses[name] = {"unit": value.clone()}
+            else:
+                entry = inverses.setdefault(name, {"A": {}, "B": {}})
+                entry[slot[0]][int(slot[1:])] = value.clone()
+        for (name, side, i), pair in pending.items():
+            entry = inverses.setdefault(name, {"A": {}, "B": {}})
+            entry[side][i] = (pair["values"].clone(), pair["vectors"].clone())
+        for entry in inverses.values():
+            for side in ("A", "B"):
+                if side in entry:
+                    entry[side] = [entry[side][i] for i in range(len(entry[side]))]
+        self.inverses = inverses
+        self.generator.set_state(state["generator"].clone())

@@ -1,0 +1,198 @@
+r"""Shampoo: Kronecker-factored full-matrix AdaGrad (Gupta, Koren & Singer, 2018).
+
+For a gradient matrix ``G`` (a weight of shape ``(out, ...)`` is viewed as
+``(out, prod(...))``) Shampoo keeps ``L = sum_t G_t G_t^T`` and
+``R = sum_t G_t^T G_t`` and preconditions with
+
+.. math::  \tilde G = (L + \epsilon I)^{-1/4}\, G\, (R + \epsilon I)^{-1/4},
+
+the inverse fourth roots computed from ``eigh`` (with an fp64 retry) on the
+preconditioner steps. ``ε`` is ``config.damping``, added to the eigenvalues of a
+fresh copy each time: unlike ASDL it never accumulates into the statistics. A 1-D
+parameter (a bias, a norm scale) is one-sided: ``(L + ε I)^{-1/2} g`` with
+``L = sum g g^T`` (the order-1 case of Shampoo's ``-1/(2k)`` exponent). Dimensions
+larger than ``block_size`` are cut into blocks of at most ``block_size``, each its
+own Shampoo block (so the statistics stay ``block_size``-sized).
+
+Statistics: with ``config.ema_decay=None`` they are accumulated (summed, Shampoo's
+AdaGrad form); with an ``ema_decay`` they are a bias-corrected EMA. They come from
+the averaged gradient of the ordinary backward pass, so under
+``DistributedDataParallel`` every rank sees the union-batch gradient (weights and
+biases alike) and needs no extra communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from leantrain.precond._checks import check_int
+from leantrain.precond.curv import robust_eigh
+from leantrain.precond.preconditioned import (
+    PreconditionedGradientMaker,
+    PreconditioningConfig,
+)
+
+__all__ = ["ShampooGradientMaker", "inverse_root", "matrix_blocks"]
+
+
+def inverse_root(stat: Tensor, exponent: float, damping: float) -> Tensor:
+    r"""``(S + damping I)^{-1/exponent}`` of a symmetric PSD ``S`` through ``eigh``.
+
+    Eigenvalues are clamped at 0 before the damping is added (rounding can make the
+    smallest slightly negative); ``S`` itself is not modified.
+    """
+    vals, vecs = robust_eigh(stat)
+    scale = (vals.clamp(min=0) + damping).pow(-1.0 / exponent)
+    return (vecs * scale.unsqueeze(0)) @ vecs.T
+
+
+def matrix_blocks(shape: tuple[int, ...], block_size: int) -> list[tuple[slice, slice]]:
+    """Row and column slices cutting a ``(rows, cols)`` matrix into blocks."""
+    rows, cols = shape
+    return [
+        (slice(i, min(rows, i + block_size)), slice(j, min(cols, j + block_size)))
+        for i in range(0, rows, block_size)
+        for j in range(0, cols, block_size)
+    ]
+
+
+class ShampooGradientMaker(PreconditionedGradientMaker):
+    r"""Shampoo preconditioning of every trainable parameter of the selected modules.
+
+    Args:
+        model: the module to train (plain or ``DistributedDataParallel``).
+        config: schedule, ``damping`` (ε, added to the eigenvalues), ``ema_decay``
+            (``None``: accumulate), ignored modules.
+        block_size: the largest side of a Shampoo block; bigger dimensions are cut.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from leantrain.precond import PreconditioningConfig
+        >>> from leantrain.precond.shampoo import ShampooGradientMaker
+        >>> model = torch.nn.Linear(4, 3)
+        >>> gm = ShampooGradientMaker(model, PreconditioningConfig(damping=1e-4))
+        >>> y = gm.setup_model_call(model, torch.randn(16, 4))
+        >>> gm.setup_loss_call(F.cross_entropy, y, torch.randint(0, 3, (16,)))
+        >>> _ = gm.forward_and_backward()
+        >>> [tuple(s.shape) for s in gm.statistics["weight"][0]]  # L, R
+        [(3, 3), (4, 4)]
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PreconditioningConfig | None = None,
+        *,
+        block_size: int = 1024,
+    ) -> None:
+        self.block_size = check_int("block_size", block_size, minimum=1)
+        # Per parameter name, per block: [L, R] (2-D) or [L] (1-D).
+        self.statistics: dict[str, list[list[Tensor]]] = {}
+        self.roots: dict[str, list[list[Tensor]]] = {}
+        super().__init__(model, config)
+
+    def is_supported(self, module: nn.Module) -> bool:
+        """Any module owning trainable parameters."""
+        return any(p.requires_grad for p in module.parameters(recurse=False))
+
+    def _parameters(self) -> dict[str, nn.Parameter]:
+        return {
+            f"{name}.{pname}" if name else pname: p
+            for name, module in self.modules()
+            for pname, p in module.named_parameters(recurse=False)
+            if p.requires_grad
+        }
+
+    def _matrix(self, grad: Tensor) -> Tensor:
+        if grad.ndim <= 1:
+            return grad.reshape(-1, 1)  # one-sided: only L
+        return grad.reshape(grad.shape[0], -1)
+
+    def update_curvature(self) -> None:
+        """Add ``G G^T`` and ``G^T G`` of every block (EMA or accumulate)."""
+        decay = self.config.ema_decay
+        for name, p in self._parameters().items():
+            if p.grad is None:
+                continue
+            g = self._matrix(p.grad.detach())
+            one_sided = p.ndim <= 1
+            new = []
+            for k, (rs, cs) in enumerate(matrix_blocks(g.shape, self.block_size)):
+                block = g[rs, cs]
+                stats = [block @ block.T] if one_sided else [block @ block.T,
+                                                             block.T @ block]
+                if decay is None:  # AdaGrad form: accumulate
+                    old = self.statistics.get(name)
+                    if old is not None:
+                        stats = [o + s for o, s in zip(old[k], stats, strict=True)]
+                else:
+                    stats = [
+                        self._ema_update(f"{name}/{k}/{side}", s)
+                        for side, s in zip("LR", stats)
+                    ]
+                new.append(stats)
+            self.statistics[name] = new
+
+    def update_preconditioner(self) -> None:
+        """Inverse roots ``(S + ε I)^{-1/4}`` (``-1/2`` one-sided) via ``eigh``."""
+        eps = self.config.damping
+        self.roots = {
+            name: [
+                [inverse_root(s, 2.0 if len(stats) == 1 else 4.0, eps) for s in stats]
+                for stats in blocks
+            ]
+            for name, blocks in self.statistics.items()
+        }
+
+    @torch.no_grad()
+    def precondition(self) -> None:
+        """``.grad`` ← ``L^{-1/4} G R^{-1/4}`` per block (``L^{-1/2} g`` for 1-D)."""
+        for name, p in self._parameters().items():
+            if p.grad is None or name not in self.roots:
+                continue
+            g = self._matrix(p.grad)
+            out = torch.empty_like(g)
+            blocks = matrix_blocks(g.shape, self.block_size)
+            for (rs, cs), roots in zip(blocks, self.roots[name], strict=True):
+                block = roots[0].to(g.dtype) @ g[rs, cs]
+                if len(roots) == 2:
+                    block = block @ roots[1].to(g.dtype)
+                out[rs, cs] = block
+            p.grad.copy_(out.reshape(p.grad.shape))
+
+    # -- state ------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        def flat(d: dict[str, list[list[Tensor]]]) -> dict[str, Tensor]:
+            return {
+                f"{name}/{k}/{i}": t
+                for name, blocks in d.items()
+                for k, ts in enumerate(blocks)
+                for i, t in enumerate(ts)
+            }
+
+        return {"statistics": flat(self.statistics), "roots": flat(self.roots)}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"statistics", "roots"}:
+            raise ValueError("state['extra'] must hold 'statistics' and 'roots'")
+        out = {}
+        for key in ("statistics", "roots"):
+            if not isinstance(state[key], dict) or not all(
+                isinstance(v, Tensor) for v in state[key].values()
+            ):
+                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
+            nested: dict[str, dict[int, dict[int, Tensor]]] = {}
+            for flat_key, value in state[key].items():
+                name, k, i = flat_key.rsplit("/", 2)
+                nested.setdefault(name, {}).setdefault(int(k), {})[int(i)] = (
+                    value.clone()
+                )
+            out[key] = {
+                name: [[b[i] for i in sorted(b)] for _, b in sorted(blocks.items())]
+                for name, blocks in nested.items()
+            }
+        self.statistics, self.roots = out["statistics"], out["roots"]
