@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 Factory = Callable[[nn.Module, float, float], Optimizer]
+MUON_LR = 0.02  # Keller Jordan's default for the Muon side of GefenMuon
 
 
 class Peer(NamedTuple):
@@ -81,13 +82,13 @@ def gefen_muon(model: nn.Module, lr: float, weight_decay: float) -> Optimizer:
     from leantrain.optim.muon import GefenMuon, muon_param_groups
 
     groups = muon_param_groups(model, adamw_modules=_head_modules(model))
-    # "match_rms_adamw" scales Muon's update to AdamW's RMS, so AdamW's lr and
-    # weight decay carry over (Moonshot); the AdamW side uses them unchanged.
+    # Muon side: Keller Jordan's defaults (lr 0.02, "original" lr adjustment); with
+    # "match_rms_adamw" and AdamW's lr it trained clearly worse in these short runs.
+    # The AdamW side (embeddings, head, 1-D params) uses the task's AdamW settings.
     return GefenMuon(
         groups,
-        lr=lr,
+        lr=MUON_LR,
         weight_decay=weight_decay,
-        adjust_lr_fn="match_rms_adamw",
         adamw_lr=lr,
         adamw_betas=(0.9, 0.999),
         adamw_eps=1e-8,
@@ -165,7 +166,7 @@ PEERS: dict[str, Peer] = {
     "gefen-4bit": Peer(gefen(4), "leantrain Gefen, momentum_bits=4"),
     "gefen-muon": Peer(
         gefen_muon,
-        "leantrain GefenMuon 8-bit; match_rms_adamw; embeddings+head on AdamW side",
+        "leantrain GefenMuon 8-bit, Muon lr 0.02; embeddings+head+1-D on AdamW",
     ),
     "gefen-1.2.3": Peer(gefen_upstream, "authors' gefen 1.2.3, fused=False on CPU"),
     "adam-mini-1.1.1": Peer(adam_mini, "Adam-mini 1.1.1 (name-based blocks)"),

@@ -294,6 +294,7 @@ def run_compare(args: argparse.Namespace) -> list[RunResult]:
     """``leantrain compare``: train, print the table, write compare.{md,png,json}."""
     from tqdm import tqdm
 
+    start = time.perf_counter()
     spec = TASKS[args.model]
     for name in ("steps", "batch_size", "lr"):
         if getattr(args, name) is None:
@@ -318,6 +319,7 @@ def run_compare(args: argparse.Namespace) -> list[RunResult]:
         versions = _versions()  # records the thread count the run used
     finally:
         torch.set_num_threads(threads)  # callers (tests) keep their own setting
+    wall_s = time.perf_counter() - start  # data, model, training, evaluation
     baseline = "adamw" if "adamw" in args.optimizers else args.optimizers[0]
     table = results_table(results, baseline)
     settings = (
@@ -342,7 +344,8 @@ def run_compare(args: argparse.Namespace) -> list[RunResult]:
         table,
         "",
         "First step (ms, includes state set-up): "
-        + ", ".join(f"{r.name} {r.first_step_ms:.1f}" for r in results),
+        + ", ".join(f"{r.name} {r.first_step_ms:.1f}" for r in results)
+        + f". Wall time of the whole comparison: {wall_s:.1f} s.",
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         "",
@@ -353,6 +356,7 @@ def run_compare(args: argparse.Namespace) -> list[RunResult]:
     record = {
         "command": command,
         "settings": settings,
+        "wall_s": wall_s,
         "baseline": baseline,
         "versions": versions,
         "results": [asdict(r) for r in results],
@@ -392,7 +396,12 @@ def _optimizer_list(text: str) -> list[str]:
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``leantrain compare`` (defaults per model come from TASKS)."""
-    parser.add_argument("--model", choices=list(TASKS), default="gpt")
+    parser.add_argument(
+        "--model",
+        choices=list(TASKS),
+        default="gpt",
+        help="gpt (default): GPT.default() on text; mlp, cnn: image classifiers",
+    )
     parser.add_argument(
         "--data",
         default=None,
@@ -406,12 +415,20 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, from: {', '.join(OPTIMIZERS)} (default: "
         "adamw,gefen8,gefen4)",
     )
-    parser.add_argument("--steps", type=_positive_int, default=None)
-    parser.add_argument("--batch-size", type=_positive_int, default=None)
-    parser.add_argument("--lr", type=_positive_float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="leantrain-compare")
-    parser.add_argument("--threads", type=_positive_int, default=None)
+    for option, attr in [("--steps", "steps"), ("--batch-size", "batch_size")]:
+        defaults = ", ".join(f"{k}: {getattr(v, attr)}" for k, v in TASKS.items())
+        parser.add_argument(option, type=_positive_int, help=f"default {defaults}")
+    lrs = ", ".join(f"{k}: {v.lr}" for k, v in TASKS.items())
+    parser.add_argument("--lr", type=_positive_float, help=f"default {lrs}")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="model init and data order (default 0)"
+    )
+    parser.add_argument(
+        "--out", default="leantrain-compare", help="output folder (%(default)s)"
+    )
+    parser.add_argument(
+        "--threads", type=_positive_int, help="torch threads (default: torch's)"
+    )
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable]] = {

@@ -21,7 +21,9 @@ def _as_float(value: object, what: str) -> float:
     """Returns ``value`` as a float; a 1-element tensor is accepted like torch does."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(f"Tensor {what} must be 1-element, got shape {value.shape}")
+            raise ValueError(
+                f"Tensor {what} must be 1-element, got shape {value.shape}"
+            )
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a real number, got {value!r}")
@@ -101,8 +103,8 @@ def check_param(param: Tensor, label: str) -> None:
     """Rejects parameters Gefen cannot train (complex or non-floating dtypes)."""
     if param.is_complex():
         raise TypeError(
-            f"Gefen does not support complex parameters ({label}, dtype {param.dtype}); "
-            "pass torch.view_as_real(param) as a real parameter instead"
+            f"Gefen does not support complex parameters ({label}, dtype "
+            f"{param.dtype}); pass torch.view_as_real(param) as a real parameter"
         )
     if not param.is_floating_point():
         raise TypeError(

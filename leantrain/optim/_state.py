@@ -120,9 +120,7 @@ def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> Non
     if not state:
         return
     n = param.numel()
-    wanted = set(COMMON_KEYS) | (
-        {"exp_avg"} if bits is None else set(QUANTIZED_KEYS)
-    )
+    wanted = set(COMMON_KEYS) | ({"exp_avg"} if bits is None else set(QUANTIZED_KEYS))
     missing, extra = wanted - set(state), set(state) - wanted
     if missing or extra:
         found_bits = "fp32" if "exp_avg" in state else "quantized"
@@ -137,7 +135,13 @@ def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> Non
     period = int(state["period"])
     if not 1 <= period <= max(n, 1):
         raise ValueError(f"{label}: period {period} outside [1, {n}] (numel {n})")
-    _expect(label, "exp_avg_sq", state["exp_avg_sq"], torch.float32, (num_blocks(n, period),))
+    _expect(
+        label,
+        "exp_avg_sq",
+        state["exp_avg_sq"],
+        torch.float32,
+        (num_blocks(n, period),),
+    )
     if bits is None:
         _expect(label, "exp_avg", state["exp_avg"], torch.float32, param.shape)
         return
@@ -155,8 +159,20 @@ def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> Non
             f"{label}: qblock {qblock} does not match period {period} "
             f"(expected {qblock_for(period)})"
         )
-    _expect(label, "exp_avg_codes", state["exp_avg_codes"], torch.uint8, (codes_length(n, bits),))
-    _expect(label, "exp_avg_absmax", state["exp_avg_absmax"], torch.float32, (num_blocks(n, qblock),))
+    _expect(
+        label,
+        "exp_avg_codes",
+        state["exp_avg_codes"],
+        torch.uint8,
+        (codes_length(n, bits),),
+    )
+    _expect(
+        label,
+        "exp_avg_absmax",
+        state["exp_avg_absmax"],
+        torch.float32,
+        (num_blocks(n, qblock),),
+    )
 
 
 def share_codebooks(states: list[dict]) -> None:

@@ -191,7 +191,12 @@ class Gefen(Optimizer):
             codebook = self._codebook(bits)
             if codebook is None:
                 codebook = self._learn_codebook(
-                    bits, [(g, p, periods[p]) for g, p in fresh if g["momentum_bits"] == bits]
+                    bits,
+                    [
+                        (g, p, periods[p])
+                        for g, p in fresh
+                        if g["momentum_bits"] == bits
+                    ],
                 )
             codebooks[bits] = codebook
         for group, param in fresh:
@@ -269,10 +274,11 @@ def _load_pre_hook(optimizer: Gefen, state_dict: dict) -> dict | None:
     """
     groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
     if len(groups) != len(saved_groups) or any(
-        len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+        len(g["params"]) != len(s["params"])
+        for g, s in zip(groups, saved_groups, strict=True)
     ):
         return None  # torch raises its own ValueError for these
-    for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+    for index, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
         if "momentum_bits" not in saved or "partition" not in saved:
             raise ValueError(
                 f"not a Gefen state dict: param group {index} has no 'momentum_bits'/"
@@ -287,8 +293,10 @@ def _load_pre_hook(optimizer: Gefen, state_dict: dict) -> dict | None:
         _checks.check_group({**saved, "betas": tuple(saved["betas"])})
     id_map, where = {}, {}
     index = 0
-    for group, saved in zip(groups, saved_groups):
-        for position, (param, saved_id) in enumerate(zip(group["params"], saved["params"])):
+    for group, saved in zip(groups, saved_groups, strict=True):
+        for position, (param, saved_id) in enumerate(
+            zip(group["params"], saved["params"], strict=True)
+        ):
             id_map[saved_id] = param
             where[saved_id] = (group, position, index, saved["momentum_bits"])
             index += 1
@@ -318,4 +326,3 @@ def _load_post_hook(optimizer: Gefen) -> None:
             state[key] = copies[id(value)]
         optimizer.state[param] = state
     share_codebooks(list(optimizer.state.values()))
-

@@ -239,7 +239,7 @@ class GefenMuon(Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group)}")
         use_muon = param_group.get("use_muon")
-        if use_muon not in (None, True, False):
+        if use_muon is not None and not isinstance(use_muon, bool):
             raise ValueError(
                 f"Invalid use_muon: {use_muon!r}; allowed: True, False, None"
             )

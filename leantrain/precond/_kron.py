@@ -255,7 +255,10 @@ class KronFactorMaker(PreconditionedGradientMaker):
         return output, loss.detach()
 
     def _accumulate_grads(self, params: list[Tensor], grads: list) -> None:
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        grads = [
+            torch.zeros_like(p) if g is None else g
+            for p, g in zip(params, grads, strict=True)
+        ]
         self._all_reduce_mean(grads)
         for p, g in zip(params, grads, strict=True):
             if p.grad is None:
@@ -301,7 +304,9 @@ class KronFactorMaker(PreconditionedGradientMaker):
         """Fold this pass's factors into the (EMA) estimates in :attr:`factors`."""
         for name, stats in self._stats.items():
             if "unit" in stats:
-                self.factors[name] = {"unit": self._ema_update(f"{name}/U", stats["unit"])}
+                self.factors[name] = {
+                    "unit": self._ema_update(f"{name}/U", stats["unit"])
+                }
                 continue
             if "A" not in stats:
                 continue  # the module saw no gradient in this pass
@@ -347,8 +352,10 @@ class KronFactorMaker(PreconditionedGradientMaker):
             f["rows"] = (
                 [slice(0, op.canon_index.shape[0])]
                 if n == 1
-                else [slice(i * b.shape[0], (i + 1) * b.shape[0]) for i, b in
-                      enumerate(f["B"])]
+                else [
+                    slice(i * b.shape[0], (i + 1) * b.shape[0])
+                    for i, b in enumerate(f["B"])
+                ]
             )
         self.factors = factors
 

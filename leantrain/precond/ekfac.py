@@ -152,13 +152,20 @@ class EkfacGradientMaker(KronFactorMaker):
                     continue
                 parts = [
                     eigenbasis_scaling(
-                        site.a, site.e, qa.to(site.e.dtype), qb.to(site.e.dtype),
+                        site.a,
+                        site.e,
+                        qa.to(site.e.dtype),
+                        qb.to(site.e.dtype),
                         has_bias=op.has_bias,
                         ids=isinstance(op.module, nn.Embedding),
                     )
                     for site, (qa, qb) in zip(data[name], bases, strict=True)
                 ]
-                total = parts if total is None else [t + p for t, p in zip(total, parts)]
+                total = (
+                    parts
+                    if total is None
+                    else [t + p for t, p in zip(total, parts, strict=True)]
+                )
             if total is not None:
                 self._all_reduce_mean(total)
                 self.scaling[name] = [

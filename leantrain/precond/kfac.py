@@ -182,7 +182,9 @@ class KfacGradientMaker(KronFactorMaker):
                     (la, qa), (lb, qb) = inv["A"][i], inv["B"][i]
                     inner = qb.T.to(dtype) @ gs @ qa.to(dtype)
                     scale = lb.unsqueeze(1) * la.unsqueeze(0) + lam
-                    out[rows] = qb.to(dtype) @ (inner / scale.to(dtype)) @ qa.T.to(dtype)
+                    out[rows] = (
+                        qb.to(dtype) @ (inner / scale.to(dtype)) @ qa.T.to(dtype)
+                    )
                 else:
                     out[rows] = inv["B"][i].to(dtype) @ gs @ inv["A"][i].to(dtype)
             write_canonical(op, out)

@@ -138,7 +138,11 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
                 f"PsgdGradientMaker fits its own running preconditioner; "
                 f"config.ema_decay must be None, got {config.ema_decay}"
             )
-        self.mode, self.precond_lr, self.init_scale = mode, float(precond_lr), init_scale
+        self.mode, self.precond_lr, self.init_scale = (
+            mode,
+            float(precond_lr),
+            init_scale,
+        )
         self.generator = torch.Generator().manual_seed(seed)
         self.factors: dict[str, list[Tensor]] = {}  # name -> [Q_l, Q_r]
         self.products: dict[str, list[Tensor]] = {}  # name -> [P_l, P_r]
@@ -186,8 +190,9 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
         with torch.enable_grad():
             output = self._call_model(fn)
             loss = self._loss_from_output(output)
-            grads = torch.autograd.grad(loss, params, create_graph=True,
-                                        allow_unused=True)
+            grads = torch.autograd.grad(
+                loss, params, create_graph=True, allow_unused=True
+            )
             by_id = {id(p): g for p, g in zip(params, grads, strict=True)}
             probes = self._probes()
             sel_params, sel_grads, tangents = [], [], []
@@ -200,10 +205,13 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
                         sel_params.append(p)
                         sel_grads.append(by_id[id(p)])
                         tangents.append(piece.reshape(p.shape).to(p.dtype))
-            hvps = torch.autograd.grad(sel_grads, sel_params, tangents,
-                                       allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g.detach()
-                 for p, g in zip(params, grads, strict=True)]
+            hvps = torch.autograd.grad(
+                sel_grads, sel_params, tangents, allow_unused=True
+            )
+        grads = [
+            torch.zeros_like(p) if g is None else g.detach()
+            for p, g in zip(params, grads, strict=True)
+        ]
         hv_by_id = {
             id(p): (torch.zeros_like(p) if h is None else h)
             for p, h in zip(sel_params, hvps, strict=True)
@@ -232,15 +240,17 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
         for name, (dx, dg) in self._pairs.items():
             ql, qr = self.factors[name]
             self.factors[name] = list(
-                psgd_kron_update(ql, qr, dx.to(ql.dtype), dg.to(ql.dtype),
-                                 self.precond_lr)
+                psgd_kron_update(
+                    ql, qr, dx.to(ql.dtype), dg.to(ql.dtype), self.precond_lr
+                )
             )
         self._pairs = {}
         self._refresh_products()
 
     def _refresh_products(self) -> None:
-        self.products = {n: [ql.T @ ql, qr.T @ qr] for n, (ql, qr) in
-                         self.factors.items()}
+        self.products = {
+            n: [ql.T @ ql, qr.T @ qr] for n, (ql, qr) in self.factors.items()
+        }
 
     @torch.no_grad()
     def precondition(self) -> None:
@@ -254,8 +264,9 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
     def _extra_state(self) -> dict[str, Any]:
         return {
             "factors": {
-                f"{n}/{side}": q for n, qs in self.factors.items()
-                for side, q in zip("LR", qs)
+                f"{n}/{side}": q
+                for n, qs in self.factors.items()
+                for side, q in zip("LR", qs, strict=True)
             },
             "generator": self.generator.get_state(),
         }

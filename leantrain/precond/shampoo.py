@@ -123,8 +123,11 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
             new = []
             for k, (rs, cs) in enumerate(matrix_blocks(g.shape, self.block_size)):
                 block = g[rs, cs]
-                stats = [block @ block.T] if one_sided else [block @ block.T,
-                                                             block.T @ block]
+                stats = (
+                    [block @ block.T]
+                    if one_sided
+                    else [block @ block.T, block.T @ block]
+                )
                 if decay is None:  # AdaGrad form: accumulate
                     old = self.statistics.get(name)
                     if old is not None:
@@ -132,7 +135,7 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
                 else:
                     stats = [
                         self._ema_update(f"{name}/{k}/{side}", s)
-                        for side, s in zip("LR", stats)
+                        for side, s in zip("LR", stats, strict=False)  # 1-D: only L
                     ]
                 new.append(stats)
             self.statistics[name] = new

@@ -87,10 +87,10 @@ def _compare(rank, world, ref, par, x, w, calls=1) -> dict[str, float]:
 
 def _parity_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     results = {}
-    n = 8 * world
+    n = 4 * world
     torch.manual_seed(2)  # the same batch on every rank, as in training
-    x = (torch.randn(2, 5, D, dtype=torch.float64),)
-    w = (torch.randn(2, 5, D, dtype=torch.float64),)
+    x = (torch.randn(1, 3, D, dtype=torch.float64),)
+    w = (torch.randn(1, 3, D, dtype=torch.float64),)
     cases = {
         "L2_cf2": dict(levels=2, cf=2, fwd_iters=2, bwd_iters=1),
         "L3_cf2_fcf_noskip": dict(

@@ -15,7 +15,7 @@ def make_mlp(sizes=(12, 32, 32, 5), seed: int = 0, dtype=torch.float32) -> nn.Mo
     """A LayerNorm MLP: 2-D weights, 1-D biases and norm params (several shapes)."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2:
             layers += [nn.LayerNorm(b), nn.Tanh()]
@@ -59,7 +59,7 @@ def max_diff(model_a: nn.Module, model_b: nn.Module) -> float:
     """Largest absolute difference between corresponding parameters."""
     return max(
         (a.float() - b.float()).abs().max().item()
-        for a, b in zip(model_a.parameters(), model_b.parameters())
+        for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True)
     )
 
 

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from leantrain.optim import Gefen, bytes_per_param, optimizer_state_nbytes
-from leantrain.optim import _step
+from leantrain.optim import Gefen, _step, bytes_per_param, optimizer_state_nbytes
 from leantrain.optim._state import new_state, qblock_for
 from leantrain.optim.codebook import histogram, learn_codebook
 
@@ -36,8 +35,12 @@ def test_element_fp32_equals_adamw_after_100_steps(maximize, kit):
     model = kit.make_mlp()
     ref_model = kit.clone(model)
     opt = Gefen(
-        _groups(model), betas=(0.8, 0.99), eps=1e-7, partition="element",
-        momentum_bits=None, maximize=maximize,
+        _groups(model),
+        betas=(0.8, 0.99),
+        eps=1e-7,
+        partition="element",
+        momentum_bits=None,
+        maximize=maximize,
     )
     ref = torch.optim.AdamW(
         _groups(ref_model), betas=(0.8, 0.99), eps=1e-7, maximize=maximize
@@ -48,7 +51,7 @@ def test_element_fp32_equals_adamw_after_100_steps(maximize, kit):
             o.zero_grad()
             (sign * kit.loss_fn(m, x, y)).backward()
             o.step()
-    for p, q in zip(model.parameters(), ref_model.parameters()):
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert (p - q).abs().max() <= 1e-6 * q.abs().max()
     assert len(opt.param_groups) == 2 and all("betas" in g for g in opt.param_groups)
 
@@ -93,7 +96,13 @@ def _codes_of(state, n):
 
 @pytest.mark.parametrize(
     ("shape", "period", "bits"),
-    [((5, 13), 7, 8), ((5, 13), 7, 4), ((3, 200), 1, 8), ((3, 200), 1, 4), ((64,), 16, 4)],
+    [
+        ((5, 13), 7, 8),
+        ((5, 13), 7, 4),
+        ((3, 200), 1, 8),
+        ((3, 200), 1, 4),
+        ((64,), 16, 4),
+    ],
 )
 def test_quantized_reference_step_matches_oracle(shape, period, bits, monkeypatch):
     # Small chunks, so blocks, chunks and 4-bit bytes all have boundaries to get wrong.
@@ -104,8 +113,12 @@ def test_quantized_reference_step_matches_oracle(shape, period, bits, monkeypatc
     state = new_state(param, period, bits, cb)
     n, q = param.numel(), qblock_for(period)
     oracle = {
-        "step": 0, "period": period, "qblock": q, "codebook": cb,
-        "v": torch.zeros(math.ceil(n / period)), "absmax": torch.zeros(math.ceil(n / q)),
+        "step": 0,
+        "period": period,
+        "qblock": q,
+        "codebook": cb,
+        "v": torch.zeros(math.ceil(n / period)),
+        "absmax": torch.zeros(math.ceil(n / q)),
         "codes": torch.full((n,), int(cb.abs().argmin()), dtype=torch.uint8),
     }
     hyper = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
@@ -136,8 +149,15 @@ def test_reference_step_makes_no_full_size_int64_temporaries(monkeypatch):
 
     with RecordInt64():
         _step.reference_step(
-            param, torch.randn(64, 256), state, lr=1e-3, beta1=0.9, beta2=0.999,
-            eps=1e-8, weight_decay=0.0, maximize=False,
+            param,
+            torch.randn(64, 256),
+            state,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            maximize=False,
         )
     assert max(sizes, default=0) <= 1024 < param.numel()
 
@@ -150,7 +170,7 @@ def test_non_contiguous_parameter_trains_like_contiguous(kit):
     opts = [Gefen([p], lr=1e-2, partition=4) for p in (p_t, p_c)]
     for _ in range(3):
         g = torch.randn(9, 6)
-        for p, o in zip((p_t, p_c), opts):
+        for p, o in zip((p_t, p_c), opts, strict=True):
             p.grad = g.clone()
             o.step()
     assert torch.equal(p_t, p_c)
@@ -162,57 +182,66 @@ def test_non_contiguous_parameter_trains_like_contiguous(kit):
 def _classifier() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(12, 64), nn.LayerNorm(64), nn.Tanh(),
-        nn.Linear(64, 64), nn.LayerNorm(64), nn.Tanh(), nn.Linear(64, 3),
+        nn.Linear(12, 32),
+        nn.LayerNorm(32),
+        nn.Tanh(),
+        nn.Linear(32, 32),
+        nn.LayerNorm(32),
+        nn.Tanh(),
+        nn.Linear(32, 3),
     )
 
 
-def _classification_task():
-    torch.manual_seed(0)
-    x = torch.randn(2048, 12)
+def _classification_task(n: int = 8192):
+    """Train and held-out halves of a 3-class task with 25% random labels: the loss
+    has a floor that a small net cannot memorize its way under in 100 steps, so a
+    relative gap between optimizers is meaningful."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * n, 12, generator=g)
     labels = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 0.5).long()
-    # 25% random labels on many samples: the loss has a floor the net cannot
-    # memorize its way under in 100 steps, so a relative gap is meaningful.
-    noisy = torch.rand(2048) < 0.25
-    labels[noisy] = torch.randint(0, 3, (int(noisy.sum()),))
-    return x, labels
+    noisy = torch.rand(2 * n, generator=g) < 0.25
+    labels[noisy] = torch.randint(0, 3, (int(noisy.sum()),), generator=g)
+    return x[:n], labels[:n], x[n:], labels[n:]
 
 
-def _final_loss(model, opt, x, labels, steps=100):
+def _final_losses(opt_factory, steps: int = 100) -> tuple[float, float]:
+    """(train loss at the last step, held-out loss after it)."""
+    x, labels, x_test, labels_test = _TASK
+    model = _classifier()
+    opt = opt_factory(model.parameters())
     for _ in range(steps):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), labels)
         loss.backward()
         opt.step()
-    return loss.item()
-
-
-@functools.cache
-def _adamw_final_loss() -> float:
-    model = _classifier()
-    return _final_loss(model, torch.optim.AdamW(model.parameters(), lr=3e-3), *_TASK)
+    with torch.no_grad():
+        held_out = nn.functional.cross_entropy(model(x_test), labels_test)
+    return loss.item(), held_out.item()
 
 
 _TASK = _classification_task()
 
 
+@functools.cache
+def _adamw_final_losses() -> tuple[float, float]:
+    return _final_losses(lambda params: torch.optim.AdamW(params, lr=1e-2))
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "tolerance"),
+    "kwargs",
     [
-        ({}, 0.05),
-        ({"partition": "tensor"}, 0.05),
-        ({"momentum_bits": None}, 0.05),
-        # 16 codes cost more on this tiny net (measured ~13% behind at step 100).
-        ({"momentum_bits": 4}, 0.2),
+        pytest.param({}, id="8bit-auto"),
+        pytest.param({"momentum_bits": 4}, id="4bit-auto"),
+        pytest.param({"partition": "tensor"}, id="8bit-tensor", marks=pytest.mark.slow),
+        pytest.param({"momentum_bits": None}, id="fp32-auto", marks=pytest.mark.slow),
     ],
-    ids=["8bit-auto", "8bit-tensor", "fp32-auto", "4bit-auto"],
 )
-def test_quantized_variants_train_close_to_adamw(kwargs, tolerance):
-    model = _classifier()
-    loss = _final_loss(model, Gefen(model.parameters(), lr=3e-3, **kwargs), *_TASK)
-    reference = _adamw_final_loss()
-    assert loss < 0.75 * math.log(3)  # it learned
-    assert abs(loss - reference) <= tolerance * reference
+def test_quantized_variants_train_close_to_adamw(kwargs):
+    losses = _final_losses(lambda params: Gefen(params, lr=1e-2, **kwargs))
+    reference = _adamw_final_losses()
+    assert losses[0] < 0.6 * math.log(3)  # it learned
+    for loss, ref in zip(losses, reference, strict=True):
+        assert abs(loss - ref) <= 0.05 * ref
 
 
 def _one_step(model, opt, d_in):
@@ -225,7 +254,11 @@ def _one_step(model, opt, d_in):
 def test_state_bytes_per_param_on_mlp(bits, limit):
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        nn.Linear(64, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
     )
     opt = Gefen(model.parameters(), momentum_bits=bits)
     _one_step(model, opt, 64)
@@ -245,13 +278,16 @@ def test_optimizer_state_nbytes_counts_each_storage_once(kit):
     states = list(gefen.state.values())
     by_hand = 1024 + sum(  # the one shared 256-code fp32 codebook, counted once
         t.numel() * t.element_size()
-        for s in states for k, t in s.items() if k != "codebook"
+        for s in states
+        for k, t in s.items()
+        if k != "codebook"
     )
     assert optimizer_state_nbytes(gefen) == by_hand
     # Two views of one buffer are one storage.
     buf = torch.zeros(100)
     gefen.state[model[0].weight]["extra_a"], gefen.state[model[0].bias]["extra_b"] = (
-        buf[:50], buf[50:]
+        buf[:50],
+        buf[50:],
     )
     assert optimizer_state_nbytes(gefen) == by_hand + 400
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
@@ -359,7 +395,9 @@ def test_bf16_model_trains_with_fp32_state(kit):
     resumed.load_state_dict(kit.roundtrip(opt.state_dict()))
     for s in resumed.state.values():  # torch's cast to bf16 is undone
         assert s["exp_avg_sq"].dtype == s["codebook"].dtype == torch.float32
-        assert s["exp_avg_codes"].dtype == torch.uint8 and s["period"].dtype == torch.int64
+        assert (
+            s["exp_avg_codes"].dtype == torch.uint8 and s["period"].dtype == torch.int64
+        )
 
 
 # --- checkpoints ---------------------------------------------------------------------
@@ -381,7 +419,9 @@ def test_checkpoint_keeps_one_shared_codebook_and_resumes(kit):
     # codebook arrives as one copy per parameter. Gefen must re-share it.
     consolidated = {
         "param_groups": saved["param_groups"],
-        "state": {i: {k: v.clone() for k, v in s.items()} for i, s in saved["state"].items()},
+        "state": {
+            i: {k: v.clone() for k, v in s.items()} for i, s in saved["state"].items()
+        },
     }
     for checkpoint in (kit.roundtrip(saved), kit.roundtrip(consolidated)):
         resumed_model = kit.clone(model)
@@ -407,7 +447,7 @@ def test_resume_20_steps_equals_uninterrupted(kit):
     kit.train(model, opt, x, y, 10)
     kit.train(resumed_model, resumed, x, y, 10)
     assert kit.max_diff(model, resumed_model) == 0.0
-    for p, q in zip(model.parameters(), resumed_model.parameters()):
+    for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True):
         for key, value in opt.state[p].items():
             assert torch.equal(value, resumed.state[q][key]), key
 
@@ -427,16 +467,22 @@ def test_mismatched_gefen_checkpoints_are_rejected(kit):
     other_model = kit.make_mlp((12, 40, 32, 5))  # same parameter count per group
     with pytest.raises(ValueError, match=r"parameter 0 \(shape \(40, 12\)\).*shape"):
         Gefen(other_model.parameters()).load_state_dict(saved)
-    with pytest.raises(ValueError, match="momentum_bits=8, this optimizer momentum_bits=4"):
+    with pytest.raises(
+        ValueError, match="momentum_bits=8, this optimizer momentum_bits=4"
+    ):
         Gefen(kit.make_mlp().parameters(), momentum_bits=4).load_state_dict(saved)
     broken = kit.roundtrip(saved)
     del broken["state"][2]["exp_avg_sq"]
     fresh = Gefen(kit.make_mlp().parameters())
-    with pytest.raises(ValueError, match=r"parameter 2 .*missing keys \['exp_avg_sq'\]"):
+    with pytest.raises(
+        ValueError, match=r"parameter 2 .*missing keys \['exp_avg_sq'\]"
+    ):
         fresh.load_state_dict(broken)
     assert not fresh.state  # nothing was half-loaded
     wrong_codes = kit.roundtrip(saved)
-    wrong_codes["state"][0]["exp_avg_codes"] = wrong_codes["state"][0]["exp_avg_codes"][:7]
+    wrong_codes["state"][0]["exp_avg_codes"] = wrong_codes["state"][0]["exp_avg_codes"][
+        :7
+    ]
     with pytest.raises(ValueError, match="exp_avg_codes' has shape"):
         Gefen(kit.make_mlp().parameters()).load_state_dict(wrong_codes)
 
@@ -467,9 +513,14 @@ def test_nonfinite_gradient_skips_the_whole_step(kit):
         opt.zero_grad()
         kit.loss_fn(model, x, y).backward()
         model[3].bias.grad[1] = bad
-        with pytest.warns(RuntimeWarning, match=r"non-finite gradient in parameter 5 \(shape \(32,\)\)"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"non-finite gradient in parameter 5 \(shape \(32,\)\)",
+        ):
             opt.step()
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        assert all(
+            torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True)
+        )
         for p, s in opt.state.items():
             assert all(torch.equal(v, state[p][k]) for k, v in s.items())
     assert opt.nonfinite_steps == 2
@@ -496,7 +547,9 @@ def test_nonfinite_raise(kit):
     model[0].weight.grad[0, 0] = float("-inf")
     with pytest.raises(FloatingPointError, match=r"parameter 0 \(shape \(32, 12\)\)"):
         opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True)
+    )
 
 
 # --- unusual parameters and bad input ----------------------------------------------
@@ -508,7 +561,9 @@ def test_empty_parameters_get_no_state(kit):
     opt = Gefen([*model.parameters(), empty_1d, empty_2d], lr=1e-2)
     for _ in range(2):
         opt.zero_grad()
-        (kit.loss_fn(model, *kit.make_data()) + empty_1d.sum() + empty_2d.sum()).backward()
+        (
+            kit.loss_fn(model, *kit.make_data()) + empty_1d.sum() + empty_2d.sum()
+        ).backward()
         opt.step()
     assert empty_1d.grad is not None and not opt.state.get(empty_1d)
     assert not opt.state.get(empty_2d) and opt.state[model[0].weight]
@@ -527,7 +582,9 @@ def test_complex_parameter_raises():
         Gefen([nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
     opt = Gefen([nn.Parameter(torch.zeros(3))])
     with pytest.raises(TypeError, match="complex parameters"):
-        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, dtype=torch.cfloat))]})
+        opt.add_param_group(
+            {"params": [nn.Parameter(torch.zeros(2, dtype=torch.cfloat))]}
+        )
     assert len(opt.param_groups) == 1
 
 

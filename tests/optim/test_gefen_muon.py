@@ -295,12 +295,12 @@ def test_muon_state_is_about_one_byte_per_parameter():
 def test_state_dict_round_trip_resumes_bit_exactly(bits, kit):
     x, y = kit.make_data()
     model = kit.make_mlp()
-    opt = GefenMuon(model.parameters(), lr=0.02, adamw_lr=1e-2, momentum_bits=bits)
+    options = {"lr": 0.02, "adamw_lr": 1e-2, "momentum_bits": bits}
+    options["ns_dtype"] = torch.float64 if bits is None else None
+    opt = GefenMuon(model.parameters(), **options)
     kit.train(model, opt, x, y, 4)
     resumed_model = kit.clone(model)
-    resumed = GefenMuon(
-        resumed_model.parameters(), lr=0.02, adamw_lr=1e-2, momentum_bits=bits
-    )
+    resumed = GefenMuon(resumed_model.parameters(), **options)
     resumed.load_state_dict(kit.roundtrip(opt.state_dict()))
     for p in resumed_model.parameters():
         assert resumed.state[p]["step"].dtype == torch.float32
@@ -360,6 +360,8 @@ def test_invalid_groups_raise():
         GefenMuon([{"params": [vector], "use_muon": True}])
     with pytest.raises(ValueError, match="Invalid use_muon: 'yes'"):
         GefenMuon([{"params": [vector], "use_muon": "yes"}])
+    with pytest.raises(ValueError, match="Invalid use_muon: 1"):
+        GefenMuon([{"params": [vector], "use_muon": 1}])
     with pytest.raises(ValueError, match="Invalid momentum value: 2"):
         GefenMuon([{"params": [nn.Parameter(torch.zeros(2, 2))], "momentum": 2}])
     with pytest.raises(TypeError, match="complex"):
@@ -471,3 +473,21 @@ def test_bf16_parameters_are_updated_in_fp32_and_stored_back(kit):
     for a, b in zip(model.parameters(), exact.parameters(), strict=True):
         assert a.dtype == torch.bfloat16
         assert _rel(a.float(), b) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_torch_muon_and_quantizes_on_device(kit):
+    x, y = (t.cuda() for t in kit.make_data())
+    model = _matrix_mlp().cuda()
+    reference = copy.deepcopy(model)
+    # ns_dtype=None is bfloat16 on CUDA: torch.optim.Muon's own iteration.
+    ours = GefenMuon(model.parameters(), lr=0.02, momentum_bits=None)
+    kit.train(model, ours, x, y, 50)
+    kit.train(reference, torch.optim.Muon(reference.parameters(), lr=0.02), x, y, 50)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert _rel(a, b) < 1e-6
+    quantized = GefenMuon(model.parameters(), lr=0.02)
+    kit.train(model, quantized, x, y, 3)
+    state = quantized.state[next(model.parameters())]
+    assert state["exp_avg_codes"].is_cuda and state["codebook"].is_cuda

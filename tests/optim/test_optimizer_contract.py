@@ -22,7 +22,9 @@ OPTIMIZERS = {
     ),
     "gefen-8-tensor": lambda params, **kw: Gefen(params, partition="tensor", **kw),
     # An odd block length: blocks straddle rows and 4-bit code bytes.
-    "gefen-4-p7": lambda params, **kw: Gefen(params, momentum_bits=4, partition=7, **kw),
+    "gefen-4-p7": lambda params, **kw: Gefen(
+        params, momentum_bits=4, partition=7, **kw
+    ),
 }
 NAMES = list(OPTIMIZERS)
 
@@ -98,7 +100,10 @@ def test_add_param_group_equals_groups_at_construction(name, kit):
     first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
     opt = OPTIMIZERS[name](first, lr=1e-2)
     opt.add_param_group({"params": rest, "lr": 3e-3, "weight_decay": 0.0})
-    g_first, g_rest = list(grouped_model.parameters())[:2], list(grouped_model.parameters())[2:]
+    g_first, g_rest = (
+        list(grouped_model.parameters())[:2],
+        list(grouped_model.parameters())[2:],
+    )
     grouped = OPTIMIZERS[name](
         [{"params": g_first}, {"params": g_rest, "lr": 3e-3, "weight_decay": 0.0}],
         lr=1e-2,
@@ -156,7 +161,9 @@ SCHEDULERS = {
     "MultiStepLR": lambda o: sched.MultiStepLR(o, milestones=[2, 5], gamma=0.3),
     "ExponentialLR": lambda o: sched.ExponentialLR(o, gamma=0.9),
     "CosineAnnealingLR": lambda o: sched.CosineAnnealingLR(o, T_max=6),
-    "CosineAnnealingWarmRestarts": lambda o: sched.CosineAnnealingWarmRestarts(o, T_0=3),
+    "CosineAnnealingWarmRestarts": lambda o: sched.CosineAnnealingWarmRestarts(
+        o, T_0=3
+    ),
     "LambdaLR": lambda o: sched.LambdaLR(o, lambda e: 1 / (1 + e)),
     "MultiplicativeLR": lambda o: sched.MultiplicativeLR(o, lambda e: 0.9),
     "LinearLR": lambda o: sched.LinearLR(o, start_factor=0.2, total_iters=4),

@@ -46,8 +46,9 @@ def layer_data(model: nn.Module, x: torch.Tensor, names: list[str]):
 def _rows(module: nn.Module, inp: torch.Tensor, out_grad: torch.Tensor):
     """Per-position inputs ``ã`` (N*T, U) and output-gradients (N*T, R)."""
     if isinstance(module, nn.Conv2d):
-        cols = F.unfold(inp, module.kernel_size, module.dilation, module.padding,
-                        module.stride)  # (N, C*k*k, L)
+        cols = F.unfold(
+            inp, module.kernel_size, module.dilation, module.padding, module.stride
+        )  # (N, C*k*k, L)
         a = cols.transpose(1, 2).reshape(-1, cols.shape[1])
         e = out_grad.flatten(2).transpose(1, 2).reshape(-1, out_grad.shape[1])
     else:

@@ -58,11 +58,16 @@ def test_equals_dense_definition_and_differs_from_kfac(lam):
     model, (x, t) = mlp(), batch()
     want = dense_ekfac(model, x, t, ["0", "2"], lam)
     kfac_model = copy.deepcopy(model)
-    gm = EkfacGradientMaker(model, PreconditioningConfig(damping=lam),
-                            fisher_type="fisher_emp")
+    gm = EkfacGradientMaker(
+        model, PreconditioningConfig(damping=lam), fisher_type="fisher_emp"
+    )
     step(gm, model, x, t)
-    kfac = KfacGradientMaker(kfac_model, PreconditioningConfig(damping=lam),
-                             fisher_type="fisher_emp", damping_mode="exact")
+    kfac = KfacGradientMaker(
+        kfac_model,
+        PreconditioningConfig(damping=lam),
+        fisher_type="fisher_emp",
+        damping_mode="exact",
+    )
     step(kfac, kfac_model, x, t)
     for name in ("0", "2"):
         got = canonical_grad(dict(model.named_modules())[name])
@@ -73,8 +78,9 @@ def test_equals_dense_definition_and_differs_from_kfac(lam):
 
 def test_weight_shared_layer_scaling_matches_per_example_loop():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(),
-                          nn.Linear(8, 3)).double()
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8, 3)
+    ).double()
     x, t = batch((5, 1, 4, 4))
     lam = 1e-2
     ref = copy.deepcopy(model)
@@ -87,16 +93,18 @@ def test_weight_shared_layer_scaling_matches_per_example_loop():
     s = (g_n @ q).square().mean(0)
     g = canonical_grad(ref[0]).reshape(-1)
     want = (q @ ((q.T @ g) / (s + lam))).reshape(2, -1)
-    gm = EkfacGradientMaker(model, PreconditioningConfig(damping=lam),
-                            fisher_type="fisher_emp")
+    gm = EkfacGradientMaker(
+        model, PreconditioningConfig(damping=lam), fisher_type="fisher_emp"
+    )
     step(gm, model, x, t)
     torch.testing.assert_close(canonical_grad(model[0]), want, rtol=1e-8, atol=1e-12)
 
 
 def test_scaling_is_reestimated_between_basis_updates():
     model = mlp()
-    cfg = PreconditioningConfig(curvature_interval=1, preconditioner_interval=2,
-                                ema_decay=0.5, damping=1e-2)
+    cfg = PreconditioningConfig(
+        curvature_interval=1, preconditioner_interval=2, ema_decay=0.5, damping=1e-2
+    )
     gm = EkfacGradientMaker(model, cfg, fisher_type="fisher_emp")
     step(gm, model, *batch(seed=1))
     basis = gm.bases["0"][0][0].clone()
@@ -109,8 +117,9 @@ def test_scaling_is_reestimated_between_basis_updates():
 
 
 def test_state_dict_resume_is_bit_exact():
-    cfg = PreconditioningConfig(curvature_interval=1, preconditioner_interval=2,
-                                ema_decay=0.9, damping=1e-2)
+    cfg = PreconditioningConfig(
+        curvature_interval=1, preconditioner_interval=2, ema_decay=0.9, damping=1e-2
+    )
     data = [batch(seed=s) for s in range(5)]
     model = mlp()
     gm = EkfacGradientMaker(model, cfg)

@@ -58,14 +58,17 @@ def test_exact_damping_equals_dense_inverse(kind):
     ref = plain_grads(model, x, t)
     factors = kron_factors(ref, x, t, ["0", "2"], kind)
     gm = KfacGradientMaker(
-        model, PreconditioningConfig(damping=lam), fisher_type=kind,
+        model,
+        PreconditioningConfig(damping=lam),
+        fisher_type=kind,
         damping_mode="exact",
     )
     step(gm, model, x, t)
     for name in ("0", "2"):
         a, b = factors[name]
-        want = dense_solve(a, b, canonical_grad(dict(ref.named_modules())[name]),
-                           damping=lam)
+        want = dense_solve(
+            a, b, canonical_grad(dict(ref.named_modules())[name]), damping=lam
+        )
         got = canonical_grad(dict(model.named_modules())[name])
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
@@ -76,7 +79,9 @@ def test_factored_damping_equals_its_formula(mode):
     ref = plain_grads(model, x, t)
     factors = kron_factors(ref, x, t, ["0", "2"], "fisher_exact")
     gm = KfacGradientMaker(
-        model, PreconditioningConfig(damping=lam), fisher_type="fisher_exact",
+        model,
+        PreconditioningConfig(damping=lam),
+        fisher_type="fisher_exact",
         damping_mode=mode,
     )
     step(gm, model, x, t)
@@ -102,14 +107,17 @@ def test_cnn_exact_damping_equals_dense():
     ref = plain_grads(model, x, t)
     factors = kron_factors(ref, x, t, ["0", "3"], "fisher_emp")
     gm = KfacGradientMaker(
-        model, PreconditioningConfig(damping=lam), fisher_type="fisher_emp",
+        model,
+        PreconditioningConfig(damping=lam),
+        fisher_type="fisher_emp",
         damping_mode="exact",
     )
     step(gm, model, x, t)
     for name in ("0", "3"):
         a, b = factors[name]
-        want = dense_solve(a, b, canonical_grad(dict(ref.named_modules())[name]),
-                           damping=lam)
+        want = dense_solve(
+            a, b, canonical_grad(dict(ref.named_modules())[name]), damping=lam
+        )
         got = canonical_grad(dict(model.named_modules())[name])
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
@@ -163,8 +171,10 @@ def test_layernorm_unit_blocks_are_exact_and_inverted():
     for i in range(5):
         g = torch.stack([gw[:, i], gb[:, i]], 1)  # (N, 2): per-example [γ_i, β_i]
         u = g.T @ g / n  # mean-loss empirical Fisher block
-        want = torch.linalg.solve(u + lam * torch.eye(2, dtype=u.dtype),
-                                  torch.stack([ln.weight.grad[i], ln.bias.grad[i]]))
+        want = torch.linalg.solve(
+            u + lam * torch.eye(2, dtype=u.dtype),
+            torch.stack([ln.weight.grad[i], ln.bias.grad[i]]),
+        )
         got = torch.stack([model[1].weight.grad[i], model[1].bias.grad[i]])
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-12)
 
@@ -185,13 +195,15 @@ def test_embedding_and_attention_are_preconditioned():
 
     model = Tiny().double()
     idx = torch.randint(0, 7, (3, 5))
-    gm = KfacGradientMaker(model, PreconditioningConfig(damping=1e-2),
-                           fisher_type="fisher_emp")
+    gm = KfacGradientMaker(
+        model, PreconditioningConfig(damping=1e-2), fisher_type="fisher_emp"
+    )
     names = {n for n, _ in gm.modules()}
     assert names == {"embed", "attn", "attn.out_proj", "head"}
     y = gm.setup_model_call(model, idx)
-    gm.setup_loss_call(lambda z, t: F.cross_entropy(z.reshape(-1, 7), t.reshape(-1)),
-                       y, idx)
+    gm.setup_loss_call(
+        lambda z, t: F.cross_entropy(z.reshape(-1, 7), t.reshape(-1)), y, idx
+    )
     ref = copy.deepcopy(model)
     F.cross_entropy(ref(idx).reshape(-1, 7), idx.reshape(-1)).backward()
     gm.forward_and_backward()
@@ -203,8 +215,9 @@ def test_embedding_and_attention_are_preconditioned():
     g = ref.embed.weight.grad.T  # canonical: (dim, vocab)
     want = dense_solve(a, b, g, *_pi(a, b, 1e-2))
     torch.testing.assert_close(model.embed.weight.grad.T, want, rtol=1e-8, atol=1e-12)
-    assert not torch.allclose(model.attn.in_proj_weight.grad,
-                              ref.attn.in_proj_weight.grad)
+    assert not torch.allclose(
+        model.attn.in_proj_weight.grad, ref.attn.in_proj_weight.grad
+    )
 
 
 def _pi(a, b, lam):
@@ -214,8 +227,9 @@ def _pi(a, b, lam):
 
 def test_interval_updates_on_due_steps_and_reuses_stale_inverse():
     model = mlp()
-    cfg = PreconditioningConfig(curvature_interval=3, preconditioner_interval=3,
-                                warmup_steps=1, damping=1e-2)
+    cfg = PreconditioningConfig(
+        curvature_interval=3, preconditioner_interval=3, warmup_steps=1, damping=1e-2
+    )
     gm = KfacGradientMaker(model, cfg, fisher_type="fisher_emp")
     calls = {"curvature": [], "precond": []}
     orig_c, orig_p = gm.update_curvature, gm.update_preconditioner
@@ -238,8 +252,9 @@ def test_interval_updates_on_due_steps_and_reuses_stale_inverse():
 
 def test_state_dict_resume_is_bit_exact():
     model = mlp()
-    cfg = PreconditioningConfig(curvature_interval=2, preconditioner_interval=2,
-                                ema_decay=0.9, damping=1e-2)
+    cfg = PreconditioningConfig(
+        curvature_interval=2, preconditioner_interval=2, ema_decay=0.9, damping=1e-2
+    )
     data = [batch() for _ in range(6)]
     data = [(x * (1 + i), t) for i, (x, t) in enumerate(data)]
 

@@ -34,8 +34,12 @@ def spd(n, seed):
 
 def test_one_step_matches_dense_formula():
     g = torch.Generator().manual_seed(0)
-    ql = torch.triu(torch.randn(3, 3, generator=g, dtype=torch.float64)) + 2 * torch.eye(3)
-    qr = torch.triu(torch.randn(4, 4, generator=g, dtype=torch.float64)) + 3 * torch.eye(4)
+    ql = torch.triu(
+        torch.randn(3, 3, generator=g, dtype=torch.float64)
+    ) + 2 * torch.eye(3)
+    qr = torch.triu(
+        torch.randn(4, 4, generator=g, dtype=torch.float64)
+    ) + 3 * torch.eye(4)
     dx = torch.randn(3, 4, generator=g, dtype=torch.float64)
     dg = torch.randn(3, 4, generator=g, dtype=torch.float64)
     got = psgd_kron_update(ql, qr, dx, dg, 0.07)
@@ -67,17 +71,26 @@ def test_hvp_fit_converges_to_inverse_kronecker_hessian():
         gm.setup_loss_call(quadratic, y)
         gm.forward_and_backward()
         pl, pr = gm.products[""]  # the root module
-        errors.append(_rel(torch.kron(pl, pr),
-                           torch.kron(torch.linalg.inv(hl), torch.linalg.inv(hr))))
+        errors.append(
+            _rel(
+                torch.kron(pl, pr),
+                torch.kron(torch.linalg.inv(hl), torch.linalg.inv(hr)),
+            )
+        )
     assert errors[0] > 0.5 and errors[-1] < 0.1
     # and the preconditioned gradient is then nearly the Newton step W
-    torch.testing.assert_close(model.weight.grad, model.weight.detach(), rtol=0.15,
-                               atol=0.05)
+    torch.testing.assert_close(
+        model.weight.grad, model.weight.detach(), rtol=0.15, atol=0.05
+    )
 
 
 def test_whitening_fit_converges_to_inverse_sqrt_covariance():
     cl, cr = spd(3, 3), spd(4, 4)
-    root = lambda m: torch.linalg.eigh(m)[1] @ torch.diag(torch.linalg.eigh(m)[0].sqrt()) @ torch.linalg.eigh(m)[1].T  # noqa: E731
+
+    def root(m):
+        vals, vecs = torch.linalg.eigh(m)
+        return vecs @ torch.diag(vals.sqrt()) @ vecs.T
+
     sl, sr = root(cl), root(cr)
     g = torch.Generator().manual_seed(5)
     ql, qr = torch.eye(3, dtype=torch.float64), torch.eye(4, dtype=torch.float64)
@@ -102,14 +115,24 @@ def test_maker_step_uses_seeded_probe_and_exact_hvp():
     gm.setup_loss_call(F.cross_entropy, y, t)
     gm.forward_and_backward()
     gen = torch.Generator().manual_seed(7)
-    probes = [torch.randn(4, 4, generator=gen, dtype=torch.float64),
-              torch.randn(2, 5, generator=gen, dtype=torch.float64)]
+    probes = [
+        torch.randn(4, 4, generator=gen, dtype=torch.float64),
+        torch.randn(2, 5, generator=gen, dtype=torch.float64),
+    ]
     params = list(ref.parameters())
     tangents = [probes[0][:, :3], probes[0][:, 3], probes[1][:, :4], probes[1][:, 4]]
     _, hv = torch.autograd.functional.hvp(
-        lambda *ps: F.cross_entropy(torch.func.functional_call(
-            ref, dict(zip([n for n, _ in ref.named_parameters()], ps)), (x,)), t),
-        tuple(p.detach() for p in params), tuple(tangents))
+        lambda *ps: F.cross_entropy(
+            torch.func.functional_call(
+                ref,
+                dict(zip([n for n, _ in ref.named_parameters()], ps, strict=True)),
+                (x,),
+            ),
+            t,
+        ),
+        tuple(p.detach() for p in params),
+        tuple(tangents),
+    )
     loss = F.cross_entropy(ref(x), t)
     loss.backward()
     for k, (name, layer) in enumerate([("0", ref[0]), ("2", ref[2])]):
@@ -122,8 +145,13 @@ def test_maker_step_uses_seeded_probe_and_exact_hvp():
         torch.testing.assert_close(gm.factors[name][1], qr)
         g = torch.cat([layer.weight.grad, layer.bias.grad.unsqueeze(1)], 1)
         want = ql.T @ ql @ g @ qr.T @ qr
-        got = torch.cat([model.get_submodule(name).weight.grad,
-                         model.get_submodule(name).bias.grad.unsqueeze(1)], 1)
+        got = torch.cat(
+            [
+                model.get_submodule(name).weight.grad,
+                model.get_submodule(name).bias.grad.unsqueeze(1),
+            ],
+            1,
+        )
         torch.testing.assert_close(got, want)
 
 

@@ -24,8 +24,10 @@ def model_and_data(seed=0):
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     g = torch.Generator().manual_seed(seed + 1)
     data = [
-        (torch.randn(7, 5, generator=g, dtype=torch.float64),
-         torch.randint(0, 3, (7,), generator=g))
+        (
+            torch.randn(7, 5, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (7,), generator=g),
+        )
         for _ in range(4)
     ]
     return model, data
@@ -61,21 +63,21 @@ def test_matches_eigh_inverse_roots(ema):
     grads = plain_grads(ref, data)
     for name, p in model.named_parameters():
         gs = [g[name] for g in grads]
-        mats = [g.reshape(g.shape[0], -1) if g.ndim > 1 else g.reshape(-1, 1)
-                for g in gs]
+        mats = [
+            g.reshape(g.shape[0], -1) if g.ndim > 1 else g.reshape(-1, 1) for g in gs
+        ]
         if ema is None:
             weights = [1.0] * len(mats)
         else:
             k = len(mats)
             weights = [(1 - ema) * ema ** (k - 1 - i) / (1 - ema**k) for i in range(k)]
-        left = sum(w * m @ m.T for w, m in zip(weights, mats))
+        left = sum(w * m @ m.T for w, m in zip(weights, mats, strict=True))
         if p.ndim > 1:
-            right = sum(w * m.T @ m for w, m in zip(weights, mats))
+            right = sum(w * m.T @ m for w, m in zip(weights, mats, strict=True))
             want = root(left, 4, eps) @ mats[-1] @ root(right, 4, eps)
         else:  # one-sided: exponent -1/2
             want = (root(left, 2, eps) @ mats[-1]).reshape(-1)
-        torch.testing.assert_close(p.grad, want.reshape(p.shape), rtol=1e-8,
-                                   atol=1e-12)
+        torch.testing.assert_close(p.grad, want.reshape(p.shape), rtol=1e-8, atol=1e-12)
 
 
 def test_damping_never_accumulates_into_statistics():
@@ -107,8 +109,9 @@ def test_block_size_and_conv_weights():
             want[rs, cs] = root(b @ b.T, 4, 1e-3) @ b @ root(b.T @ b, 4, 1e-3)
     torch.testing.assert_close(model[0].weight.grad.reshape(5, 8), want)
     assert len(gm.statistics["0.weight"]) == 6
-    assert all(s.shape[0] <= 3 for blocks in gm.statistics.values()
-               for b in blocks for s in b)
+    assert all(
+        s.shape[0] <= 3 for blocks in gm.statistics.values() for b in blocks for s in b
+    )
 
 
 def test_ignore_modules_respected():
@@ -130,7 +133,9 @@ def test_interval_reuses_stale_roots():
     roots = [r.clone() for r in gm.roots["0.weight"][0]]
     run(gm, model, data[1:2])
     assert gm.curvature_updates == 1 and gm.preconditioner_updates == 1
-    assert all(torch.equal(a, b) for a, b in zip(roots, gm.roots["0.weight"][0]))
+    assert all(
+        torch.equal(a, b) for a, b in zip(roots, gm.roots["0.weight"][0], strict=True)
+    )
     run(gm, model, data[2:3])
     assert gm.curvature_updates == 2 and gm.preconditioner_updates == 2
 

@@ -59,7 +59,7 @@
 #define LT_MAX_CHUNK 8192 /* longest sub-chunk (per-thread buffers ~13 B/element) */
 
 #if defined(__GNUC__) && !defined(__clang__)
-#define LT_SCALAR __attribute__((optimize("no-tree-vectorize", "unroll-loops")))
+#define LT_SCALAR __attribute__((optimize("no-tree-vectorize")))
 #else
 #define LT_SCALAR
 #endif

@@ -1,0 +1,188 @@
+"""Every preconditioning method against SGD and AdamW on the digits (CPU, 1 thread).
+
+For each model (the 64-256-256-10 MLP, the small CNN of ``leantrain.models`` and a
+tiny 64-16-10 MLP where the dense methods fit) and each method of
+``leantrain.precond.registry`` plus plain SGD and AdamW, from the same init and the
+same batches (128 examples):
+
+* **step ms / x SGD** -- median wall time of one whole training step (zero_grad,
+  ``forward_and_backward`` or forward + backward, ``optimizer.step``) after a warm-up,
+  and its ratio to the plain SGD step of the same model measured in the same run;
+* **steps to target** -- the first evaluation step (every ``--eval-every``) at which
+  the loss on the whole training set reaches AdamW's loss after ``--steps`` steps
+  (``-`` if never); **final loss** -- that loss at the end.
+
+Preconditioned methods feed ``torch.optim.SGD(momentum=0.9)`` with the registry's
+learning rate. A method that is missing, too big for the model (dense ``P x P``
+matrices) or fails shows why in the table. BatchNorm of the CNN stays in training
+mode (batch statistics treated as constants by the hook-based methods). A PNG of the
+loss curves is written next to ``--out``.
+
+Usage::
+
+    python benchmarks/precond.py                      # a few minutes
+    python benchmarks/precond.py --full               # 500 steps
+    python benchmarks/precond.py --models mlp --methods kfac,kfac_10,seng
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leantrain.data import load_digits
+from leantrain.models import CNN, MLP
+from leantrain.precond import GradientMaker
+from leantrain.precond.registry import (
+    PRECOND_METHODS,
+    MethodUnavailableError,
+    make_gradient_maker,
+)
+
+MODELS = {
+    "mlp": lambda: MLP((64, 256, 256, 10)),
+    "cnn": lambda: CNN(),
+    "tiny": lambda: MLP((64, 16, 10)),
+}
+BASELINES = {"sgd": 0.1, "adamw": 1e-3}  # learning rates
+
+
+def _batches(x, y, steps, batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = x.shape[0]
+    out = []
+    while len(out) < steps:
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n - batch + 1, batch):
+            out.append(perm[i : i + batch])
+    return out[:steps]
+
+
+@torch.no_grad()
+def _full_loss(model, x, y):
+    return float(F.cross_entropy(model(x), y))
+
+
+def run_one(method, base, x, y, batches, eval_every):
+    """Train a copy of ``base``; return (median step s, [(step, loss)], error)."""
+    model = copy.deepcopy(base)
+    if method in BASELINES:
+        opt_cls = torch.optim.AdamW if method == "adamw" else torch.optim.SGD
+        kwargs = {} if method == "adamw" else {"momentum": 0.9}
+        opt = opt_cls(model.parameters(), lr=BASELINES[method], **kwargs)
+        gm = GradientMaker(model)
+    else:
+        spec = PRECOND_METHODS[method]
+        try:
+            gm = make_gradient_maker(method, model)
+        except MethodUnavailableError as err:
+            return None, [], f"not available ({err})"
+        except ValueError as err:  # e.g. too big for a dense matrix
+            return None, [], f"n/a: {str(err).split(';')[0]}"
+        opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
+    times, curve = [], [(0, _full_loss(model, x, y))]
+    try:
+        for step, idx in enumerate(batches, start=1):
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            out = gm.setup_model_call(model, x[idx])
+            gm.setup_loss_call(F.cross_entropy, out, y[idx])
+            gm.forward_and_backward()
+            opt.step()
+            times.append(time.perf_counter() - start)
+            if step % eval_every == 0 or step == len(batches):
+                loss = _full_loss(model, x, y)
+                curve.append((step, loss))
+                if not loss < 1e3:  # diverged (or nan)
+                    return statistics.median(times), curve, "diverged"
+    except Exception as err:  # noqa: BLE001 - a failing method is a table row
+        traceback.print_exc()
+        return None, curve, f"failed: {type(err).__name__}: {err}"
+    warm = times[min(5, len(times) - 1) :]
+    return statistics.median(warm), curve, None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,cnn,tiny")
+    parser.add_argument("--methods", default=",".join(PRECOND_METHODS))
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--cnn-steps", type=int, default=None)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--full", action="store_true", help="500 steps everywhere")
+    parser.add_argument("--out", default="benchmarks/precond_curves.png")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    steps = args.steps or (500 if args.full else 200)
+    cnn_steps = args.cnn_steps or (500 if args.full else 60)
+    data = load_digits()
+    x, y = data.train_x, data.train_y
+    methods = ["sgd", "adamw"] + [m for m in args.methods.split(",") if m]
+    curves = {}
+    for model_name in args.models.split(","):
+        torch.manual_seed(0)
+        base = MODELS[model_name]()
+        n_steps = cnn_steps if model_name == "cnn" else steps
+        batches = _batches(x, y, n_steps, 128, seed=1)
+        rows = {}
+        for method in methods:
+            rows[method] = run_one(method, base, x, y, batches, args.eval_every)
+            curves[(model_name, method)] = rows[method][1]
+        target = rows["adamw"][1][-1][1]
+        sgd_time = rows["sgd"][0]
+        params = sum(p.numel() for p in base.parameters())
+        print(f"\n{model_name}: {params} parameters, {n_steps} steps, batch 128, "
+              f"target = AdamW's loss after {n_steps} steps = {target:.4f}")
+        print(f"{'method':<14}{'step ms':>9}{'x SGD':>8}{'steps to target':>17}"
+              f"{'final loss':>12}  note")
+        for method, (median, curve, error) in rows.items():
+            if median is None:
+                print(f"{method:<14}{'-':>9}{'-':>8}{'-':>17}{'-':>12}  {error}")
+                continue
+            hit = next((s for s, loss in curve if loss <= target), None)
+            note = error or (PRECOND_METHODS[method].note
+                             if method in PRECOND_METHODS else "")
+            print(f"{method:<14}{median * 1e3:>9.2f}{median / sgd_time:>8.2f}"
+                  f"{(str(hit) if hit is not None else '-'):>17}"
+                  f"{curve[-1][1]:>12.4f}  {note}")
+    _plot(curves, Path(args.out))
+
+
+def _plot(curves, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    models = sorted({m for m, _ in curves})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5))
+    axes = [axes] if len(models) == 1 else axes
+    for ax, model in zip(axes, models, strict=True):
+        for (m, method), curve in curves.items():
+            if m == model and len(curve) > 1:
+                steps, losses = zip(*curve, strict=True)
+                ax.semilogy(steps, losses, label=method,
+                            lw=2.5 if method in BASELINES else 1.2)
+        ax.set_title(model)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training-set loss")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nloss curves: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+r"""Schedule simulator: the critical-path time of one layer-parallel training step.
+
+The simulator runs the real solver, :func:`~.mgrit.mgrit_solve`, on a stand-in
+problem whose "layers" only advance clocks: one clock per chunk (rank), a step into
+point ``j`` of level ``l`` adds that step's time to the clock of the chunk owning
+``j``, and a :class:`~.schedule.Exchange` moves clocks the way messages move them:
+
+* ``shift``: chunk ``p`` may continue at ``max(own clock, clock of p-1 + message)``;
+* ``pipeline`` (coarsest level): chunk after chunk, each waiting for its left
+  neighbour's last point plus one message;
+* ``allreduce_sum`` (residual norm): everyone waits for the slowest, plus the
+  reduction time.
+
+So the schedule simulated is exactly the one the distributed code executes, for any
+``N``, ``P``, levels, ``cf``, iterations and relaxation. With unit layer times and no
+communication it reproduces the cost model :func:`~.schedule.solve_time` (tested).
+
+Communication model (:class:`CommModel`): a message of ``b`` bytes costs
+``latency + b / bandwidth``; an all-reduce or broadcast over ``P`` ranks costs
+``ceil(log2 P)`` messages (a tree; the all-reduce twice that). Per training step the
+distributed module also broadcasts the batch seed (8 bytes), the output (last rank to
+all) and the input gradient (first rank to all).
+
+Step costs (:class:`LayerTimes`, seconds per layer step): forward without graph
+(relaxation and coarse levels), forward with graph (final sweep), adjoint VJP through
+a stored graph (level 0), VJP including parameter gradients (final adjoint sweep); a
+coarse adjoint step recomputes the layer with a graph and then applies its VJP. The
+serial reference step is ``N`` (forward with graph + VJP with parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from leantrain.layer_parallel._checks import check_float, check_int
+from leantrain.layer_parallel.mgrit import MGRITOptions, mgrit_solve
+from leantrain.layer_parallel.ode import State
+from leantrain.layer_parallel.schedule import ChunkLayout, Exchange
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds per layer step (validated; ``None`` copies the simpler cost).
+
+    Args:
+        forward: forward step without autograd graph.
+        backward: vector-Jacobian product w.r.t. the input through a stored graph.
+        forward_record: forward step recording the graph (default ``forward``).
+        backward_params: VJP w.r.t. input and parameters (default ``backward``).
+    """
+
+    forward: float
+    backward: float
+    forward_record: float | None = None
+    backward_params: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "forward_record", "backward_params"):
+            value = getattr(self, name)
+            if value is not None:
+                check_float(f"LayerTimes.{name}", value, positive=False)
+        if self.forward_record is None:
+            object.__setattr__(self, "forward_record", float(self.forward))
+        if self.backward_params is None:
+            object.__setattr__(self, "backward_params", float(self.backward))
+
+    @property
+    def serial_step(self) -> float:
+        """One layer of plain autograd training: forward with graph + full VJP."""
+        return self.forward_record + self.backward_params
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """``latency + bytes / bandwidth`` per message (seconds, bytes per second).
+
+    Example:
+        >>> CommModel(latency=1e-5, bandwidth=1e9).message(1e6)
+        0.00101
+    """
+
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    def __post_init__(self) -> None:
+        check_float("latency", self.latency, positive=False)
+        if not (isinstance(self.bandwidth, int | float) and self.bandwidth > 0):
+            raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+
+    def message(self, nbytes: float) -> float:
+        """One point-to-point message of ``nbytes``."""
+        return self.latency + nbytes / self.bandwidth
+
+    def broadcast(self, nbytes: float, ranks: int) -> float:
+        """A tree broadcast over ``ranks``."""
+        return math.ceil(math.log2(ranks)) * self.message(nbytes) if ranks > 1 else 0.0
+
+    def allreduce(self, nbytes: float, ranks: int) -> float:
+        """A reduce plus broadcast tree over ``ranks``."""
+        return 2 * self.broadcast(nbytes, ranks)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Simulated times of one training step (seconds, or layer steps).
+
+    Attributes:
+        forward: critical path of the forward solve, output broadcast included.
+        backward: critical path of the adjoint solve, gradient broadcast included.
+        step: ``forward + backward`` (plus the seed broadcast).
+        serial: the one-process serial step, ``N * LayerTimes.serial_step``.
+        speedup: ``serial / step``.
+    """
+
+    forward: float
+    backward: float
+    step: float
+    serial: float
+
+    @property
+    def speedup(self) -> float:
+        return self.serial / self.step if self.step > 0 else math.inf
+
+
+class _ClockExchange(Exchange):
+    """All chunks in one process, each with a clock that messages synchronise."""
+
+    def __init__(self, chunks: int, comm: CommModel, state_bytes: float) -> None:
+        self.local_chunks = list(range(chunks))
+        self.clock = [0.0] * chunks
+        self.msg = comm.message(state_bytes) if chunks > 1 else 0.0
+        self.reduce = comm.allreduce(8, chunks)
+
+    def shift(self, lasts: Sequence[State], first: State) -> list[State]:
+        sent = list(self.clock)  # each chunk's last point is ready at its clock
+        for p in range(1, len(sent)):
+            self.clock[p] = max(self.clock[p], sent[p - 1] + self.msg)
+        return [first, *lasts[:-1]]
+
+    def pipeline(self, fn: Callable[[int, State], State], first: State) -> None:
+        ghost = first
+        for p in self.local_chunks:
+            if p:
+                self.clock[p] = max(self.clock[p], self.clock[p - 1] + self.msg)
+            ghost = fn(p, ghost)
+
+    def allreduce_sum(self, value: float) -> float:
+        t = max(self.clock) + self.reduce
+        self.clock = [t] * len(self.clock)
+        return value
+
+
+def _solve_clock(
+    layout: ChunkLayout,
+    options: MGRITOptions,
+    cost: Callable[[int, bool], float],
+    comm: CommModel,
+    state_bytes: float,
+) -> float:
+    ex = _ClockExchange(layout.chunks, comm, state_bytes)
+    gen = torch.Generator().manual_seed(0)
+
+    def prop(level: int, j: int, u: State, *, final: bool = False) -> State:
+        owner = (j - 1) // layout.per_chunk(level)
+        ex.clock[owner] += cost(level, final)
+        # Random stand-in states: residuals never vanish, so no early stop.
+        return torch.rand(1, generator=gen, dtype=torch.float64)
+
+    mgrit_solve(prop, torch.zeros(1, dtype=torch.float64), layout, options, exchange=ex)
+    return max(ex.clock)
+
+
+def simulate(
+    n_steps: int,
+    chunks: int,
+    times: LayerTimes,
+    *,
+    levels: int = 2,
+    cf: int = 4,
+    fwd_iters: int = 2,
+    bwd_iters: int = 1,
+    relax: int | Sequence[int] = 1,
+    skip_downcycle: bool = True,
+    comm: CommModel | None = None,
+    state_bytes: float = 0.0,
+) -> SimResult:
+    """Critical-path time of one training step on ``chunks`` ranks.
+
+    Args:
+        n_steps: ODE layers ``N``.
+        chunks: ranks ``P``; ``N/P`` must be a multiple of ``cf**(levels-1)``.
+        times: per-layer step times.
+        levels, cf, fwd_iters, bwd_iters, relax, skip_downcycle: MGRIT options, as in
+            :class:`~.module.LayerParallel`.
+        comm: the communication model (default: free).
+        state_bytes: bytes of one state (batch x tokens x d_model x element size).
+
+    Returns:
+        A :class:`SimResult`.
+
+    Raises:
+        ValueError: for an invalid layout or options.
+
+    Example:
+        >>> r = simulate(64, 4, LayerTimes(1.0, 1.0), cf=4, fwd_iters=1)
+        >>> round(r.speedup, 2)
+        1.6
+    """
+    check_int("n_steps", n_steps, 1)
+    check_float("state_bytes", state_bytes, positive=False)
+    comm = comm if comm is not None else CommModel()
+    layout = ChunkLayout(n_steps, chunks, cf, levels)
+    relax = tuple(relax) if not isinstance(relax, int) else relax
+    fwd_opts = MGRITOptions(levels, cf, fwd_iters, relax, skip_downcycle)
+    bwd_opts = MGRITOptions(levels, cf, bwd_iters, relax, skip_downcycle)
+
+    def fwd_cost(level: int, final: bool) -> float:
+        return times.forward_record if final else times.forward
+
+    def bwd_cost(level: int, final: bool) -> float:
+        if level:  # recompute the coarse layer with a graph, then its VJP
+            return times.forward_record + times.backward
+        return times.backward_params if final else times.backward
+
+    bcast = comm.broadcast(state_bytes, chunks)
+    forward = _solve_clock(layout, fwd_opts, fwd_cost, comm, state_bytes) + bcast
+    backward = _solve_clock(layout, bwd_opts, bwd_cost, comm, state_bytes) + bcast
+    step = forward + backward + comm.broadcast(8, chunks)
+    return SimResult(forward, backward, step, n_steps * times.serial_step)

@@ -1,0 +1,233 @@
+r"""Natural gradient with the Fisher in one of four representations.
+
+The preconditioned gradient is :math:`(F + \lambda I)^{-1} g`, where ``F`` is the
+Fisher of ``fisher_type`` (exact, Monte-Carlo or empirical; see
+``docs/curvature.md``) kept in one representation (``shape``):
+
+==========  =================================================================
+``full``    the whole ``P x P`` matrix over every preconditioned parameter
+``layer``   one dense block per module (its weight and bias together)
+``unit``    one block per output unit (a weight row with its bias entry)
+``diag``    the diagonal
+==========  =================================================================
+
+Each is the *exact* corresponding part of the Fisher (the curvature layer forms
+per-example gradients where the representation needs them), inverted with a Cholesky
+factorization (``diag``: a reciprocal). ``full`` and ``layer`` hold dense blocks and
+are meant for small models: a block of more than ``max_block`` parameters is
+rejected when the maker is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from leantrain.precond._hooked import HookedMaker, check_choice
+from leantrain.precond._kron import read_canonical, write_canonical
+from leantrain.precond.curv import cholesky_inverse
+from leantrain.precond.preconditioned import PreconditioningConfig
+
+__all__ = ["NG_SHAPES", "NaturalGradientMaker", "natural_gradient"]
+
+NG_SHAPES = ("full", "layer", "unit", "diag")
+
+
+def natural_gradient(fisher: Tensor, grad: Tensor, damping: float) -> Tensor:
+    r"""Reference: :math:`(F + \lambda I)^{-1} g` for a dense ``F`` (Cholesky solve).
+
+    Args:
+        fisher: symmetric PSD ``(P, P)``.
+        grad: ``(P,)``.
+        damping: :math:`\lambda > 0`.
+    """
+    eye = torch.eye(fisher.shape[0], dtype=fisher.dtype, device=fisher.device)
+    factor = torch.linalg.cholesky(fisher + damping * eye)
+    return torch.cholesky_solve(grad.unsqueeze(-1), factor).squeeze(-1)
+
+
+class NaturalGradientMaker(HookedMaker):
+    r"""Natural gradient :math:`(F + \lambda I)^{-1} g`, full, layer-, unit-wise or
+    diagonal.
+
+    Curvature steps collect the Fisher of ``fisher_type`` in representation ``shape``
+    from module hooks (one backward per Fisher vector on the graph of the ordinary
+    forward, which also yields the loss gradient), fold it into a bias-corrected EMA
+    (``config.ema_decay``); preconditioner steps invert the damped blocks (Cholesky);
+    every step multiplies ``.grad`` by the (possibly stale) inverse. Under
+    ``DistributedDataParallel`` the gradient and the Fisher are averaged over the
+    group, so every rank holds the union-batch Fisher.
+
+    Args:
+        model: the module to train (plain or ``DistributedDataParallel``).
+        config: schedule, damping :math:`\lambda`, EMA decay, ignored modules.
+        fisher_type: ``"fisher_mc"``, ``"fisher_exact"`` or ``"fisher_emp"``.
+        shape: ``"full"``, ``"layer"``, ``"unit"`` or ``"diag"``.
+        n_mc_samples: draws for ``"fisher_mc"`` (averaged).
+        loss_type: ``"cross_entropy"`` or ``"mse"``: the likelihood of the Fisher.
+        loss_reduction: ``"mean"`` or ``"sum"``, as your loss reduces.
+        logits_fn: maps the model output to the logits (batch first).
+        seed: seeds the Monte-Carlo draws (saved by ``state_dict``).
+        max_block: largest dense block (parameters) ``"full"`` / ``"layer"`` accept.
+
+    Raises:
+        ValueError: an unknown ``shape`` / ``fisher_type``, or a dense block larger
+            than ``max_block`` (its ``P x P`` matrix would not fit in memory).
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from leantrain.precond import PreconditioningConfig
+        >>> from leantrain.precond.natural_gradient import NaturalGradientMaker
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 3))
+        >>> gm = NaturalGradientMaker(model, PreconditioningConfig(damping=1e-3),
+        ...                           fisher_type="fisher_emp", shape="layer")
+        >>> y = gm.setup_model_call(model, torch.randn(16, 4))
+        >>> gm.setup_loss_call(F.cross_entropy, y, torch.randint(0, 3, (16,)))
+        >>> output, loss = gm.forward_and_backward()
+        >>> gm.inverses["0"].shape
+        torch.Size([40, 40])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PreconditioningConfig | None = None,
+        *,
+        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"] = "fisher_mc",
+        shape: Literal["full", "layer", "unit", "diag"] = "full",
+        n_mc_samples: int = 1,
+        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        logits_fn: Callable[[Any], Tensor] | None = None,
+        seed: int = 0,
+        max_block: int = 16384,
+    ) -> None:
+        self.shape = check_choice("shape", shape, NG_SHAPES)
+        if isinstance(max_block, bool) or not isinstance(max_block, int):
+            raise TypeError(f"max_block must be an int, got {max_block!r}")
+        # Per module name (``"full"``: the key ""): the EMA Fisher and its inverse.
+        self.fisher: dict[str, Tensor] = {}
+        self.inverses: dict[str, Tensor] = {}
+        super().__init__(
+            model,
+            config,
+            shapes=(shape,),
+            keep_sites=False,
+            fisher_type=fisher_type,
+            n_mc_samples=n_mc_samples,
+            loss_type=loss_type,
+            loss_reduction=loss_reduction,
+            logits_fn=logits_fn,
+            seed=seed,
+        )
+        sizes = {name: op.numel for name, op in self.ops.items()}
+        if shape == "full":
+            sizes = {"all preconditioned modules": self._collector.numel}
+        if shape in ("full", "layer"):
+            for name, size in sizes.items():
+                if size > max_block:
+                    gib = size * size * 4 / 2**30
+                    raise ValueError(
+                        f"shape={shape!r}: {name!r} has {size} parameters, a dense "
+                        f"{size}x{size} Fisher block (~{gib:.1f} GiB in fp32) exceeds "
+                        f"max_block={max_block}; use shape='unit' or 'diag', "
+                        "SmwNgGradientMaker / SengGradientMaker, or raise max_block"
+                    )
+
+    def update_curvature(self) -> None:
+        """Average the collected Fisher over the DDP group and fold it into the EMA."""
+        if self.shape == "full":
+            parts = {"": self._full}
+        else:
+            parts = {name: stats.get(self.shape) for name, stats in self._stats.items()}
+            parts = {name: t for name, t in parts.items() if t is not None}
+        self._all_reduce_mean([parts[k] for k in sorted(parts)])
+        for name, value in parts.items():
+            self.fisher[name] = self._ema_update(name, value)
+        self._stats, self._full = {}, None
+
+    def update_preconditioner(self) -> None:
+        r"""Invert :math:`F + \lambda I` blockwise (Cholesky; ``diag``: reciprocal)."""
+        lam = self.config.damping
+        if self.shape == "diag":
+            self.inverses = {n: 1.0 / (f + lam) for n, f in self.fisher.items()}
+        else:  # full / layer blocks (P, P) and unit blocks (R, U, U), batched
+            self.inverses = {
+                n: cholesky_inverse(f, lam) for n, f in self.fisher.items()
+            }
+
+    @torch.no_grad()
+    def precondition(self) -> None:
+        """``.grad`` of each module ← its (possibly stale) natural gradient."""
+        if self.shape == "full":
+            inv = self.inverses.get("")
+            if inv is None:
+                return
+            flats = {name: self.read_flat(name) for name in self.ops}
+            flat = torch.cat(
+                [
+                    f if f is not None else inv.new_zeros(self.ops[n].numel)
+                    for n, f in flats.items()
+                ]
+            )
+            out = inv.to(flat.dtype) @ flat
+            for name, piece in zip(
+                self.ops, out.split([op.numel for op in self.ops.values()]), strict=True
+            ):
+                if flats[name] is not None:
+                    self.write_flat(name, piece)
+            return
+        for name, inv in self.inverses.items():
+            op = self.ops[name]
+            if self.shape == "layer":
+                g = self.read_flat(name)
+                if g is not None:
+                    self.write_flat(name, inv.to(g.dtype) @ g)
+                continue
+            g = read_canonical(op)
+            if g is None:
+                continue
+            inv = inv.to(g.dtype)
+            if self.shape == "unit":
+                write_canonical(op, torch.einsum("ruv,rv->ru", inv, g))
+            else:
+                write_canonical(op, g * inv)
+
+    # -- state ----------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "fisher": dict(self.fisher),
+            "inverses": dict(self.inverses),
+            "generator": self._generator_state(),
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {
+            "fisher",
+            "inverses",
+            "generator",
+        }:
+            raise ValueError(
+                "state['extra'] must hold 'fisher', 'inverses' and 'generator'"
+            )
+        known = {""} if self.shape == "full" else set(self.ops)
+        for key in ("fisher", "inverses"):
+            value = state[key]
+            if not isinstance(value, dict) or not all(
+                isinstance(v, Tensor) for v in value.values()
+            ):
+                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
+            unknown = set(value) - known
+            if unknown:
+                raise ValueError(
+                    f"state['extra'][{key!r}] names modules {sorted(unknown)} that "
+                    f"this maker does not precondition ({sorted(known)})"
+                )
+        self.fisher = {k: v.clone() for k, v in state["fisher"].items()}
+        self.inverses = {k: v.clone() for k, v in state["inverses"].items()}
+        self.generator.set_state(state["generator"].clone())

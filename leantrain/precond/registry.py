@@ -1,0 +1,183 @@
+"""Registry of the preconditioning methods: one name, one tested setting.
+
+``make_gradient_maker(name, model)`` builds the gradient maker of a registered
+method with its documented defaults (damping, schedule, options), so benchmarks and
+``leantrain compare --precond kfac,shampoo,...`` share one list. Classes are imported
+lazily: a method whose module is missing (or fails to import) is reported by
+:func:`available_methods` / raises :class:`MethodUnavailableError`, the others work.
+
+The defaults (damping, SGD learning rate ``lr``) are those of ``benchmarks/precond.py``
+on the 8x8 digits MLP; see ``docs/precond_methods_ng.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from leantrain.precond.preconditioned import (
+    PreconditionedGradientMaker,
+    PreconditioningConfig,
+)
+
+__all__ = [
+    "PRECOND_METHODS",
+    "MethodSpec",
+    "MethodUnavailableError",
+    "available_methods",
+    "make_gradient_maker",
+]
+
+
+class MethodUnavailableError(ImportError):
+    """The module or class of a registered method cannot be imported."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """How to build one method.
+
+    Attributes:
+        module: module path of the maker class.
+        cls: class name.
+        config: ``PreconditioningConfig`` fields.
+        kwargs: keyword arguments of the maker.
+        lr: learning rate for ``torch.optim.SGD`` (momentum 0.9) on the benchmark.
+        dense: forms a dense ``P x P`` matrix (small models only).
+        note: one line for tables.
+    """
+
+    module: str
+    cls: str
+    config: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    lr: float = 0.1
+    dense: bool = False
+    note: str = ""
+
+
+def _spec(module: str, cls: str, **rest: Any) -> MethodSpec:
+    return MethodSpec(f"leantrain.precond.{module}", cls, **rest)
+
+
+PRECOND_METHODS: dict[str, MethodSpec] = {
+    "kfac": _spec(
+        "kfac", "KfacGradientMaker", config={"damping": 1e-2},
+        kwargs={"fisher_type": "fisher_mc"}, lr=0.1, note="MC Fisher, every step",
+    ),
+    "kfac_10": _spec(
+        "kfac", "KfacGradientMaker",
+        config={"damping": 1e-2, "curvature_interval": 10,
+                "preconditioner_interval": 10, "ema_decay": 0.9},
+        kwargs={"fisher_type": "fisher_mc"}, lr=0.1, note="MC Fisher, interval 10",
+    ),
+    "ekfac": _spec(
+        "ekfac", "EkfacGradientMaker", config={"damping": 1e-2},
+        kwargs={"fisher_type": "fisher_mc"}, lr=0.1,
+    ),
+    "shampoo": _spec("shampoo", "ShampooGradientMaker", config={"damping": 1e-4},
+                     lr=0.05, note="every step"),
+    "shampoo_10": _spec(
+        "shampoo", "ShampooGradientMaker",
+        config={"damping": 1e-4, "curvature_interval": 10,
+                "preconditioner_interval": 10, "ema_decay": 0.9},
+        lr=0.05, note="interval 10",
+    ),
+    "psgd": _spec("psgd", "PsgdGradientMaker", lr=0.05),
+    "kbfgs": _spec("kbfgs", "KbfgsGradientMaker", config={"damping": 1e-2}, lr=0.05),
+    "seng": _spec(
+        "seng", "SengGradientMaker", config={"damping": 1e-1},
+        kwargs={"sketching_size": 64, "truncated_rank": 16}, lr=0.1,
+    ),
+    "smw_ng": _spec("smw_ng", "SmwNgGradientMaker", config={"damping": 1e-1},
+                    lr=0.1),
+    "hessian_free": _spec(
+        "hessian_free", "HessianFreeGradientMaker", config={"damping": 1e-1},
+        kwargs={"curvature": "ggn", "max_iters": 10}, lr=0.1,
+    ),
+    "newton": _spec("newton", "NewtonGradientMaker", config={"damping": 1e-1},
+                    kwargs={"absolute": True}, lr=0.1, dense=True,
+                    note="|H|, dense Hessian"),
+    "ng_full": _spec(
+        "natural_gradient", "NaturalGradientMaker", config={"damping": 1e-2},
+        kwargs={"fisher_type": "fisher_mc", "shape": "full"}, lr=0.1, dense=True,
+    ),
+    "ng_layer": _spec(
+        "natural_gradient", "NaturalGradientMaker", config={"damping": 1e-2},
+        kwargs={"fisher_type": "fisher_mc", "shape": "layer"}, lr=0.1, dense=True,
+    ),
+    "ng_unit": _spec(
+        "natural_gradient", "NaturalGradientMaker", config={"damping": 1e-2},
+        kwargs={"fisher_type": "fisher_mc", "shape": "unit"}, lr=0.1,
+    ),
+    "ng_diag": _spec(
+        "natural_gradient", "NaturalGradientMaker", config={"damping": 1e-3},
+        kwargs={"fisher_type": "fisher_mc", "shape": "diag"}, lr=0.01,
+    ),
+}
+
+
+def _load(name: str) -> type:
+    if name not in PRECOND_METHODS:
+        raise ValueError(
+            f"unknown preconditioning method {name!r}; registered: "
+            f"{', '.join(PRECOND_METHODS)}"
+        )
+    spec = PRECOND_METHODS[name]
+    try:
+        return getattr(importlib.import_module(spec.module), spec.cls)
+    except (ImportError, AttributeError) as err:
+        raise MethodUnavailableError(
+            f"method {name!r}: cannot import {spec.module}.{spec.cls} ({err})"
+        ) from err
+
+
+def available_methods() -> dict[str, str | None]:
+    """Every registered name -> ``None`` if it can be built, else the reason."""
+    out: dict[str, str | None] = {}
+    for name in PRECOND_METHODS:
+        try:
+            _load(name)
+            out[name] = None
+        except MethodUnavailableError as err:
+            out[name] = str(err)
+    return out
+
+
+def make_gradient_maker(
+    name: str,
+    model: nn.Module,
+    *,
+    config: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> PreconditionedGradientMaker:
+    """Build method ``name`` for ``model`` with its defaults, updated by the overrides.
+
+    Args:
+        name: a key of :data:`PRECOND_METHODS`.
+        model: the module to train (plain or ``DistributedDataParallel``).
+        config: ``PreconditioningConfig`` fields overriding the method's.
+        **kwargs: maker keyword arguments overriding the method's.
+
+    Raises:
+        ValueError: an unknown name (the message lists the registered ones).
+        MethodUnavailableError: the method's class cannot be imported.
+
+    Example:
+        >>> import torch
+        >>> from leantrain.precond.registry import make_gradient_maker
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        >>> gm = make_gradient_maker("ng_diag", model, config={"damping": 1e-3})
+        >>> type(gm).__name__, gm.config.damping, gm.shape
+        ('NaturalGradientMaker', 0.001, 'diag')
+    """
+    cls = _load(name)
+    spec = PRECOND_METHODS[name]
+    cfg = dataclasses.replace(
+        PreconditioningConfig(), **{**spec.config, **(config or {})}
+    )
+    return cls(model, cfg, **{**spec.kwargs, **kwargs})
