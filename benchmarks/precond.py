@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from leantrain.data import load_digits
 from leantrain.models import CNN, MLP
@@ -139,20 +138,27 @@ def main(argv=None):
         target = rows["adamw"][1][-1][1]
         sgd_time = rows["sgd"][0]
         params = sum(p.numel() for p in base.parameters())
-        print(f"\n{model_name}: {params} parameters, {n_steps} steps, batch 128, "
-              f"target = AdamW's loss after {n_steps} steps = {target:.4f}")
-        print(f"{'method':<14}{'step ms':>9}{'x SGD':>8}{'steps to target':>17}"
-              f"{'final loss':>12}  note")
+        print(
+            f"\n{model_name}: {params} parameters, {n_steps} steps, batch 128, "
+            f"target = AdamW's loss after {n_steps} steps = {target:.4f}"
+        )
+        print(
+            f"{'method':<14}{'step ms':>9}{'x SGD':>8}{'steps to target':>17}"
+            f"{'final loss':>12}  note"
+        )
         for method, (median, curve, error) in rows.items():
             if median is None:
                 print(f"{method:<14}{'-':>9}{'-':>8}{'-':>17}{'-':>12}  {error}")
                 continue
             hit = next((s for s, loss in curve if loss <= target), None)
-            note = error or (PRECOND_METHODS[method].note
-                             if method in PRECOND_METHODS else "")
-            print(f"{method:<14}{median * 1e3:>9.2f}{median / sgd_time:>8.2f}"
-                  f"{(str(hit) if hit is not None else '-'):>17}"
-                  f"{curve[-1][1]:>12.4f}  {note}")
+            note = error or (
+                PRECOND_METHODS[method].note if method in PRECOND_METHODS else ""
+            )
+            print(
+                f"{method:<14}{median * 1e3:>9.2f}{median / sgd_time:>8.2f}"
+                f"{(str(hit) if hit is not None else '-'):>17}"
+                f"{curve[-1][1]:>12.4f}  {note}"
+            )
     _plot(curves, Path(args.out))
 
 
@@ -172,8 +178,9 @@ def _plot(curves, path):
         for (m, method), curve in curves.items():
             if m == model and len(curve) > 1:
                 steps, losses = zip(*curve, strict=True)
-                ax.semilogy(steps, losses, label=method,
-                            lw=2.5 if method in BASELINES else 1.2)
+                ax.semilogy(
+                    steps, losses, label=method, lw=2.5 if method in BASELINES else 1.2
+                )
         ax.set_title(model)
         ax.set_xlabel("step")
         ax.set_ylabel("training-set loss")

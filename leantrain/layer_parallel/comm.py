@@ -19,6 +19,7 @@ naming the operation, the peer and the timeout instead of hanging.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,6 +47,19 @@ def _timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta
     if not seconds > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {seconds}")
     return datetime.timedelta(seconds=seconds)
+
+
+def all_reduce_max(values: Sequence[float], group=None) -> list[float]:
+    """Element-wise maximum over ``group`` (identity without torch.distributed).
+
+    NaN would poison the maximum; a non-finite value is sent as ``inf``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    finite = [v if math.isfinite(v) else math.inf for v in values]
+    t = torch.tensor(finite, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
 
 
 class DistExchange(Exchange):

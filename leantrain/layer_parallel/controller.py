@@ -30,11 +30,10 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from leantrain.layer_parallel._checks import check_float, check_int
+from leantrain.layer_parallel.comm import all_reduce_max
 from leantrain.layer_parallel.mgrit import MGRITStats
 from leantrain.layer_parallel.module import LayerParallel
 
@@ -169,15 +168,6 @@ class Controller:
         for s, (f, b) in zip(self.stacks, self._saved, strict=True):
             s.set_iterations(2 * f, 2 * b)
 
-    def _reduce(self, values: list[float]) -> list[float]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return values
-        # NaN would poison MAX: a non-finite factor is "diverged", i.e. inf.
-        finite = [v if math.isfinite(v) else math.inf for v in values]
-        t = torch.tensor(finite, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.tolist()
-
     def step(self) -> Decision | None:
         """Account for the batch just trained; decide if it was a check batch."""
         decision = None
@@ -191,7 +181,7 @@ class Controller:
         saved, self._saved = self._saved, None
         fwd = max(convergence_factor(s.stats.forward) for s in self.stacks)
         bwd = max(convergence_factor(s.stats.backward) for s in self.stacks)
-        fwd, bwd = self._reduce([fwd, bwd])
+        fwd, bwd = all_reduce_max([fwd, bwd], self.group)
         factor = max(fwd, bwd)
         action = "keep"
         for s, (f, b) in zip(self.stacks, saved, strict=True):

@@ -1,8 +1,9 @@
 """Builds and loads the C kernels in ``_kernels/`` (plain C99 + OpenMP, no torch).
 
-The shared library is compiled on first use with the system C compiler into a
-cache directory (``$LEANTRAIN_CACHE``, else ``~/.cache/leantrain``), under a name
-keyed by a hash of the source, the compiler's version, the flags and the CPU's
+Every source in :data:`SOURCES` goes into one shared library (the Gefen step and
+the codebook dynamic program), compiled on first use with the system C compiler into
+a cache directory (``$LEANTRAIN_CACHE``, else ``~/.cache/leantrain``), under a name
+keyed by a hash of the sources, the compiler's version, the flags and the CPU's
 feature flags, so an edit, a new compiler or another machine type never loads a
 stale binary. The build writes a temporary file and renames it into place, so
 parallel processes (pytest-xdist, torchrun ranks) never see a half-written file.
@@ -25,7 +26,9 @@ import threading
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "_kernels"
-SOURCE = "gefen_step.c"
+# One library from all sources: one build, one load, one cache entry.
+SOURCES = ("gefen_step.c", "codebook_dp.c")
+LIBRARY = "leantrain_kernels"
 # -ffp-contract=off: the kernel writes every fused multiply-add it wants (to round
 # like torch's vectorized ops) and the compiler must not add others.
 # -fno-math-errno lets sqrtf inline; it changes no result.
@@ -88,10 +91,10 @@ def _compiler_version(cc: str) -> str:
 
 
 def library_path(cc: str, flags: tuple[str, ...]) -> Path:
-    """Where the library for this source, compiler, flags and CPU lives."""
+    """Where the library for these sources, compiler, flags and CPU lives."""
     digest = hashlib.sha256()
     for part in (
-        (KERNEL_DIR / SOURCE).read_bytes(),
+        *((KERNEL_DIR / name).read_bytes() for name in SOURCES),
         _compiler_version(cc).encode(),
         " ".join(flags).encode(),
         _cpu_flags().encode(),
@@ -99,11 +102,11 @@ def library_path(cc: str, flags: tuple[str, ...]) -> Path:
     ):
         digest.update(part)
         digest.update(b"\0")
-    return cache_dir() / f"gefen_step-{digest.hexdigest()[:20]}.so"
+    return cache_dir() / f"{LIBRARY}-{digest.hexdigest()[:20]}.so"
 
 
 def build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compiles the kernel to ``target`` atomically; returns an error text or None."""
+    """Compiles the sources to ``target`` atomically; returns an error text or None."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
@@ -111,7 +114,7 @@ def build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
     except OSError as err:  # e.g. a read-only home directory
         return f"cannot write to the cache {target.parent}: {err}"
     try:
-        cmd = [cc, *flags, str(KERNEL_DIR / SOURCE), "-o", tmp]
+        cmd = [cc, *flags, *(str(KERNEL_DIR / name) for name in SOURCES), "-o", tmp]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as err:
@@ -130,6 +133,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lt_gefen_step.restype = ctypes.c_int
     lib.lt_gefen_step.argtypes = [pointer] * 6 + [i64, i64, i64, i32]
     lib.lt_gefen_step.argtypes += [pointer, pointer, i64, i32]
+    lib.lt_codebook_dp.restype = ctypes.c_double
+    lib.lt_codebook_dp.argtypes = [pointer] * 5 + [i64, i64, pointer, pointer]
     for name in ("lt_sizeof_quantizer", "lt_sizeof_hyper", "lt_max_chunk"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []

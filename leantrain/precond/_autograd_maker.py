@@ -50,7 +50,10 @@ class AutogradMaker(PreconditionedGradientMaker):
             output = self._call_model(fn)
             loss = self._loss_from_output(output)
             grads = torch.autograd.grad(
-                loss, params, create_graph=create_graph, retain_graph=True,
+                loss,
+                params,
+                create_graph=create_graph,
+                retain_graph=True,
                 allow_unused=True,
             )
         grads = [
@@ -82,7 +85,9 @@ class AutogradMaker(PreconditionedGradientMaker):
     def write_flat(self, flat: Tensor) -> None:
         """Write a flat vector into the selected parameters' ``.grad``."""
         params = self.selected_parameters()
-        for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        for p, piece in zip(
+            params, flat.split([p.numel() for p in params]), strict=True
+        ):
             piece = piece.reshape(p.shape).to(p.dtype)
             if p.grad is None:
                 p.grad = piece.clone()

@@ -177,10 +177,15 @@ class HessianFreeGradientMaker(AutogradMaker):
             (dz,) = torch.autograd.grad(loss, logits, create_graph=True)
             dummy = torch.zeros_like(logits, requires_grad=True)
             jt_dummy = torch.autograd.grad(
-                logits, selected, grad_outputs=dummy, create_graph=True,
+                logits,
+                selected,
+                grad_outputs=dummy,
+                create_graph=True,
                 allow_unused=True,
             )
-        live = [(g, p) for g, p in zip(jt_dummy, selected, strict=True) if g is not None]
+        live = [
+            (g, p) for g, p in zip(jt_dummy, selected, strict=True) if g is not None
+        ]
         sizes = [p.numel() for p in selected]
 
         def product(v: Tensor) -> Tensor:
@@ -206,7 +211,7 @@ class HessianFreeGradientMaker(AutogradMaker):
         """Nothing to build: CG runs in :meth:`precondition`."""
 
     def precondition(self) -> None:
-        r"""``.grad`` ← CG solution of :math:`(C + \lambda I) x = g`; frees the graph."""
+        r"""``.grad`` ← CG solution of :math:`(C + \lambda I) x = g`; graph freed."""
         matvec, self._matvec = self._matvec, None
         g = self.read_flat()
         if matvec is None or g is None:

@@ -107,7 +107,7 @@ class NewtonGradientMaker(AutogradMaker):
         self._collected = None
 
     def update_preconditioner(self) -> None:
-        r""":math:`Q (f(\Lambda) + \lambda)^{-1} Q^\top` from ``eigh`` of the Hessian."""
+        r""":math:`Q (f(\Lambda) + \lambda)^{-1} Q^\top` from ``eigh`` of ``H``."""
         values, vectors = robust_eigh(self.hessian)
         values = values.abs() if self.absolute else values
         self.inverse = (vectors / (values + self.config.damping)) @ vectors.T

@@ -41,7 +41,7 @@ __all__ = ["SengGradientMaker"]
 
 
 class SengGradientMaker(WoodburyMaker):
-    r"""Layer-wise empirical natural gradient with example sketching and rank truncation.
+    r"""Layer-wise empirical natural gradient, sketched over examples, rank-truncated.
 
     Curvature steps keep the per-example gradients (of a random subset of
     ``sketching_size`` examples of the union batch when it is larger);

@@ -112,7 +112,7 @@ class SmwNgGradientMaker(WoodburyMaker):
 
     @torch.no_grad()
     def precondition(self) -> None:
-        """``.grad`` of every module ← the SMW natural gradient (one ``N x N`` solve)."""
+        """``.grad`` of every module ← the SMW natural gradient (an ``N x N`` solve)."""
         if self.cholesky is None:
             return
         grads = {}
@@ -137,6 +137,8 @@ class SmwNgGradientMaker(WoodburyMaker):
             raise ValueError("state['extra'] must hold 'factors' and 'cholesky'")
         chol = state["cholesky"]
         if chol is not None and not isinstance(chol, Tensor):
-            raise TypeError(f"state['extra']['cholesky'] must be a tensor, got {chol!r}")
+            raise TypeError(
+                f"state['extra']['cholesky'] must be a tensor, got {chol!r}"
+            )
         self._load_factor_state(state["factors"])
         self.cholesky = None if chol is None else chol.clone()

@@ -27,25 +27,32 @@ from tests.distributed.launch import run_distributed
 pytestmark = pytest.mark.distributed
 
 UNION = 8  # examples in the union batch (divisible by 2 and 4)
-EVERY2 = PreconditioningConfig(damping=0.1, curvature_interval=2,
-                               preconditioner_interval=2)
+EVERY2 = PreconditioningConfig(
+    damping=0.1, curvature_interval=2, preconditioner_interval=2
+)
 EVERY1 = PreconditioningConfig(damping=0.3)
 
 METHODS = {
     **{
-        f"ng_{shape}": (lambda m, s=shape: NaturalGradientMaker(
-            m, EVERY2, fisher_type="fisher_exact", shape=s))
+        f"ng_{shape}": (
+            lambda m, s=shape: NaturalGradientMaker(
+                m, EVERY2, fisher_type="fisher_exact", shape=s
+            )
+        )
         for shape in ("full", "layer", "unit", "diag")
     },
     "ng_diag_emp": lambda m: NaturalGradientMaker(
-        m, EVERY2, fisher_type="fisher_emp", shape="diag"),
+        m, EVERY2, fisher_type="fisher_emp", shape="diag"
+    ),
     "smw_ng": lambda m: SmwNgGradientMaker(m, EVERY2),
     # a sketch of 5 of the 8 union examples: every rank draws the same ones
-    "seng": lambda m: SengGradientMaker(m, EVERY2, sketching_size=5,
-                                        truncated_rank=3, seed=4),
+    "seng": lambda m: SengGradientMaker(
+        m, EVERY2, sketching_size=5, truncated_rank=3, seed=4
+    ),
     "hf_ggn": lambda m: HessianFreeGradientMaker(m, EVERY1, max_iters=10),
     "hf_hessian": lambda m: HessianFreeGradientMaker(
-        m, EVERY1, curvature="hessian", max_iters=10),
+        m, EVERY1, curvature="hessian", max_iters=10
+    ),
     "newton": lambda m: NewtonGradientMaker(m, EVERY2, absolute=True),
 }
 

@@ -5,6 +5,8 @@ the iterations policy; the factor's floor; validation and logging."""
 from __future__ import annotations
 
 import copy
+import doctest
+import importlib
 import logging
 import math
 
@@ -164,3 +166,10 @@ def test_model_without_layer_parallel_is_rejected():
         Controller(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="must be an nn.Module"):
         Controller("stack")
+
+
+@pytest.mark.parametrize("name", ["controller", "simulate", "mesh"])
+def test_docstring_examples_run(name):
+    mod = importlib.import_module(f"leantrain.layer_parallel.{name}")
+    result = doctest.testmod(mod, extraglobs={"torch": torch})
+    assert result.failed == 0 and result.attempted > 0

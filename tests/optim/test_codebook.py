@@ -320,3 +320,70 @@ def test_knuth_fallback_to_divide_and_conquer_is_exact(monkeypatch):
         cost, bounds = cbm._solve_fast(x, c, 12)
         ref_cost, ref_bounds = cbm._solve_reference(x, c, 12)
         assert bounds == ref_bounds and cost == pytest.approx(ref_cost, rel=1e-9)
+
+
+# ------------------------------------------------------------------ native solver
+def native_or_skip():
+    from leantrain.optim import _native
+
+    if _native.load() is None:
+        pytest.skip(f"native library unavailable: {_native.status()}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    bins=st.integers(2, 300),
+    k=st.integers(3, 24),
+    density=st.sampled_from([0.05, 0.3, 1.0]),
+    integer=st.booleans(),
+)
+def test_native_equals_numpy_and_reference(seed, bins, k, density, integer):
+    """C solver == numpy fast solver == plain DP: the same optimal cost to 1e-12
+    relative, and the same boundaries where the optimum is unique."""
+    native_or_skip()
+    counts = random_counts(seed, bins, density, integer)
+    if int((counts > 0).sum()) <= k - 2:
+        return
+    x, c, _ = cbm._prepare(torch.from_numpy(counts), k)
+    native_cost, native_bounds = cbm._solve_native(x, c, k)
+    fast_cost, fast_bounds = cbm._solve_fast(x, c, k)
+    ref_cost, ref_bounds = cbm._solve_reference(x, c, k)
+    # All three evaluate the same prefix-sum expressions: agreement is near-exact.
+    assert native_cost == pytest.approx(fast_cost, rel=1e-12, abs=1e-15 * c.sum())
+    assert native_cost == pytest.approx(ref_cost, rel=1e-12, abs=1e-15 * c.sum())
+    direct = cbm._partition_cost(native_bounds, x, c)
+    assert direct == pytest.approx(
+        cbm._partition_cost(ref_bounds, x, c), rel=1e-9, abs=1e-15 * c.sum()
+    )
+    assert len(native_bounds) == k + 1 and native_bounds[0] == 0
+    assert native_bounds[-1] == x.size
+    assert all(a < b for a, b in zip(native_bounds[1:-2], native_bounds[2:-1]))
+    if not integer:  # continuous weights: the optimum is unique (a.s.)
+        assert native_bounds == ref_bounds == fast_bounds
+
+
+def test_native_full_size_matches_numpy(monkeypatch):
+    """4096 bins, 256 codes: the codebook learn_codebook returns with the C solver
+    equals the numpy solver's, bit for bit (LEANTRAIN_NO_NATIVE=1 forces numpy)."""
+    native_or_skip()
+    torch.manual_seed(3)
+    g = torch.randn(512, 512) * torch.rand(512, 1) ** 2
+    counts = histogram(g, 512)
+    x, c, _ = cbm._prepare(counts, 256)
+    native_cost, native_bounds = cbm._solve_native(x, c, 256)
+    fast_cost, fast_bounds = cbm._solve_fast(x, c, 256)
+    assert native_cost == pytest.approx(fast_cost, rel=1e-12)
+    assert native_bounds == fast_bounds
+    native = learn_codebook(counts, 256)
+    monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    assert cbm._solve_native(x, c, 256) is None
+    assert torch.equal(native, learn_codebook(counts, 256))
+
+
+def test_native_declines_what_it_does_not_solve():
+    """k = 2 (no middle layer) and too few bins go to the numpy path."""
+    native_or_skip()
+    x, c, _ = cbm._prepare(torch.ones(10, dtype=torch.float64), 2)
+    assert cbm._solve_native(x, c, 2) is None
+    assert cbm._solve_native(x, c, 12) is None  # 10 bins < k - 1

@@ -377,7 +377,7 @@ def test_native_build_is_cached_and_optional(tmp_path, monkeypatch):
     monkeypatch.setattr(_native, "_tried", False)
     monkeypatch.setattr(_native, "_library", None)
     assert _native.load() is not None, _native.status()
-    built = list(tmp_path.glob("gefen_step-*.so"))
+    built = list(tmp_path.glob(f"{_native.LIBRARY}-*.so"))
     assert len(built) == 1 and str(built[0]) in _native.status()
     assert not list(tmp_path.glob("*.tmp"))  # the temporary file was renamed
     stamp = os.stat(built[0]).st_mtime_ns

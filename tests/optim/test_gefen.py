@@ -56,6 +56,31 @@ def test_element_fp32_equals_adamw_after_100_steps(maximize, kit):
     assert len(opt.param_groups) == 2 and all("betas" in g for g in opt.param_groups)
 
 
+@pytest.mark.parametrize("bits", [8, 4, None])
+def test_state_layout_follows_the_contract(bits):
+    param = nn.Parameter(torch.randn(7, 45))  # n = 315, odd
+    opt = Gefen([param], partition=50, momentum_bits=bits)
+    param.grad = torch.randn(7, 45)
+    opt.step()
+    state = opt.state[param]
+    expected = {
+        "step": (torch.float32, ()),
+        "period": (torch.int64, ()),
+        "exp_avg_sq": (torch.float32, (7,)),  # ceil(315 / 50)
+    }
+    if bits is None:
+        expected["exp_avg"] = (torch.float32, (7, 45))
+    else:
+        expected |= {
+            "exp_avg_codes": (torch.uint8, (315 if bits == 8 else 158,)),
+            "exp_avg_absmax": (torch.float32, (7,)),
+            "qblock": (torch.int64, ()),
+            "codebook": (torch.float32, (2**bits,)),
+        }
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in state.items()} == expected
+    assert float(state["step"]) == 1 and int(state["period"]) == 50
+
+
 # --- the quantized reference step against a slow, obvious oracle ----------------
 
 

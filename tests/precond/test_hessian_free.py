@@ -51,8 +51,11 @@ def test_cg_stops_on_negative_curvature():
 @pytest.mark.parametrize("net", ["mlp", "conv", "norm"])
 def test_cg_matches_direct_solve(net, curvature):
     torch.manual_seed(0)
-    model = {"mlp": mlp, "conv": lambda: ConvNet().double(),
-             "norm": lambda: NormNet().double()}[net]()
+    model = {
+        "mlp": mlp,
+        "conv": lambda: ConvNet().double(),
+        "norm": lambda: NormNet().double(),
+    }[net]()
     x, t = _batch(model)
     dense = dense_ggn if curvature == "ggn" else dense_hessian
     c = dense(model, nn.CrossEntropyLoss(), x, t)
@@ -60,8 +63,11 @@ def test_cg_matches_direct_solve(net, curvature):
     expected = damped_solve(c, flat_grad(model, x, t), damping)
     p = c.shape[0]
     gm = HessianFreeGradientMaker(
-        model, PreconditioningConfig(damping=damping), curvature=curvature,
-        max_iters=4 * p, tol=1e-13,
+        model,
+        PreconditioningConfig(damping=damping),
+        curvature=curvature,
+        max_iters=4 * p,
+        tol=1e-13,
     )
     got = _run(gm, model, x, t)
     assert (expected - got).abs().max() <= 1e-8 * max(1.0, float(expected.abs().max()))
@@ -70,8 +76,10 @@ def test_cg_matches_direct_solve(net, curvature):
 
 def test_errors():
     with pytest.raises(ValueError, match="curvature_interval and preconditioner_"):
-        HessianFreeGradientMaker(mlp(), PreconditioningConfig(
-            curvature_interval=2, preconditioner_interval=2))
+        HessianFreeGradientMaker(
+            mlp(),
+            PreconditioningConfig(curvature_interval=2, preconditioner_interval=2),
+        )
     with pytest.raises(ValueError, match="curvature must be one of"):
         HessianFreeGradientMaker(mlp(), curvature="fisher")
     with pytest.raises(ValueError, match="max_iters must be >= 1"):

@@ -7,12 +7,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from leantrain.precond import PreconditioningConfig
-from leantrain.precond.curv import dense_empirical_fisher, dense_ggn
-from leantrain.precond.natural_gradient import NaturalGradientMaker, natural_gradient
-
 from _ng_reference import (
     ConvNet,
     NormNet,
@@ -22,6 +16,11 @@ from _ng_reference import (
     mlp,
     read_grads,
 )
+from torch import nn
+
+from leantrain.precond import PreconditioningConfig
+from leantrain.precond.curv import dense_empirical_fisher, dense_ggn
+from leantrain.precond.natural_gradient import NaturalGradientMaker, natural_gradient
 
 DAMPING = 1e-2
 
@@ -48,8 +47,11 @@ def _run(gm, model, x, t):
 @pytest.mark.parametrize("net", ["mlp", "conv", "norm"])
 def test_matches_dense_solve(shape, kind, net):
     torch.manual_seed(1)
-    model = {"mlp": mlp, "conv": lambda: ConvNet().double(),
-             "norm": lambda: NormNet().double()}[net]()
+    model = {
+        "mlp": mlp,
+        "conv": lambda: ConvNet().double(),
+        "norm": lambda: NormNet().double(),
+    }[net]()
     x, t = _batch(model)
     dense = dense_ggn if kind == "fisher_exact" else dense_empirical_fisher
     fisher = dense(model, nn.CrossEntropyLoss(), x, t)
@@ -77,8 +79,12 @@ def test_mc_fisher_is_unbiased_on_average():
     x, t = _batch(model, n=8)
     exact = dense_ggn(model, nn.CrossEntropyLoss(), x, t).diagonal()
     gm = NaturalGradientMaker(
-        model, PreconditioningConfig(damping=DAMPING), fisher_type="fisher_mc",
-        shape="diag", n_mc_samples=400, seed=3,
+        model,
+        PreconditioningConfig(damping=DAMPING),
+        fisher_type="fisher_mc",
+        shape="diag",
+        n_mc_samples=400,
+        seed=3,
     )
     _run(gm, model, x, t)
     mc = torch.cat([gm.fisher[n].reshape(-1) for n in ("0", "2")])
@@ -89,8 +95,9 @@ def test_mc_fisher_is_unbiased_on_average():
 def test_interval_schedule_reuses_stale_inverse():
     torch.manual_seed(0)
     model = mlp()
-    cfg = PreconditioningConfig(damping=DAMPING, curvature_interval=3,
-                                preconditioner_interval=3)
+    cfg = PreconditioningConfig(
+        damping=DAMPING, curvature_interval=3, preconditioner_interval=3
+    )
     gm = NaturalGradientMaker(model, cfg, fisher_type="fisher_emp", shape="layer")
     calls = []
     original = gm.update_curvature
@@ -111,8 +118,9 @@ def test_interval_schedule_reuses_stale_inverse():
 
 def test_state_dict_resumes_bit_exactly():
     torch.manual_seed(0)
-    cfg = PreconditioningConfig(damping=DAMPING, curvature_interval=2,
-                                preconditioner_interval=2, ema_decay=0.9)
+    cfg = PreconditioningConfig(
+        damping=DAMPING, curvature_interval=2, preconditioner_interval=2, ema_decay=0.9
+    )
     a = mlp()
     b = copy.deepcopy(a)
     gm_a = NaturalGradientMaker(a, cfg, fisher_type="fisher_mc", shape="unit")

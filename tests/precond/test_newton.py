@@ -57,8 +57,9 @@ def test_matches_func_hessian_solve(net, absolute):
     if absolute:
         h = vecs @ torch.diag(vals.abs()) @ vecs.T
     expected = damped_solve(h, flat_grad(model, x, t), damping)
-    gm = NewtonGradientMaker(model, PreconditioningConfig(damping=damping),
-                             absolute=absolute)
+    gm = NewtonGradientMaker(
+        model, PreconditioningConfig(damping=damping), absolute=absolute
+    )
     torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-9, atol=1e-11)
 
 
@@ -76,8 +77,9 @@ def test_norm_layers_and_reference():
 
 def test_interval_and_state_dict():
     torch.manual_seed(0)
-    cfg = PreconditioningConfig(damping=0.5, curvature_interval=2,
-                                preconditioner_interval=2)
+    cfg = PreconditioningConfig(
+        damping=0.5, curvature_interval=2, preconditioner_interval=2
+    )
     a = mlp()
     b = copy.deepcopy(a)
     gm_a = NewtonGradientMaker(a, cfg, absolute=True)
@@ -93,8 +95,9 @@ def test_interval_and_state_dict():
     gm_b = NewtonGradientMaker(b, cfg, absolute=True)
     gm_b.load_state_dict(copy.deepcopy(gm_a.state_dict()))
     for step in range(3, 6):
-        assert torch.equal(_run(gm_a, a, *_batch(a, seed=step)),
-                           _run(gm_b, b, *_batch(b, seed=step)))
+        assert torch.equal(
+            _run(gm_a, a, *_batch(a, seed=step)), _run(gm_b, b, *_batch(b, seed=step))
+        )
 
 
 def test_errors():

@@ -58,14 +58,21 @@ def _layerwise(model, fisher, g, rank=None):
 @pytest.mark.parametrize("net", ["mlp", "conv", "norm"])
 def test_exact_when_sketch_covers_the_batch(net):
     torch.manual_seed(0)
-    model = {"mlp": mlp, "conv": lambda: ConvNet().double(),
-             "norm": lambda: NormNet().double()}[net]()
+    model = {
+        "mlp": mlp,
+        "conv": lambda: ConvNet().double(),
+        "norm": lambda: NormNet().double(),
+    }[net]()
     x, t = _batch(model)
     fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
     fisher = torch.where(block_mask(model, "layer"), fisher, 0 * fisher)
     expected = damped_solve(fisher, flat_grad(model, x, t), DAMPING)
-    gm = SengGradientMaker(model, PreconditioningConfig(damping=DAMPING),
-                           sketching_size=6, truncated_rank=None)
+    gm = SengGradientMaker(
+        model,
+        PreconditioningConfig(damping=DAMPING),
+        sketching_size=6,
+        truncated_rank=None,
+    )
     torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-9, atol=1e-11)
 
 
@@ -75,8 +82,12 @@ def test_truncated_rank_keeps_top_eigenpairs():
     x, t = _batch(model, n=8)
     fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
     expected = _layerwise(model, fisher, flat_grad(model, x, t), rank=3)
-    gm = SengGradientMaker(model, PreconditioningConfig(damping=DAMPING),
-                           sketching_size=64, truncated_rank=3)
+    gm = SengGradientMaker(
+        model,
+        PreconditioningConfig(damping=DAMPING),
+        sketching_size=64,
+        truncated_rank=3,
+    )
     torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-8, atol=1e-10)
 
 
@@ -89,15 +100,21 @@ def test_sketch_uses_drawn_examples_rescaled():
     u = per_example_grads(model, x, t)[keep]
     fisher = u.T @ u / 3
     expected = _layerwise(model, fisher, flat_grad(model, x, t))
-    gm = SengGradientMaker(model, PreconditioningConfig(damping=DAMPING),
-                           sketching_size=3, truncated_rank=None, seed=5)
+    gm = SengGradientMaker(
+        model,
+        PreconditioningConfig(damping=DAMPING),
+        sketching_size=3,
+        truncated_rank=None,
+        seed=5,
+    )
     torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-8, atol=1e-10)
 
 
 def test_interval_and_state_dict():
     torch.manual_seed(0)
-    cfg = PreconditioningConfig(damping=DAMPING, curvature_interval=3,
-                                preconditioner_interval=3)
+    cfg = PreconditioningConfig(
+        damping=DAMPING, curvature_interval=3, preconditioner_interval=3
+    )
     a = mlp()
     b = copy.deepcopy(a)
     gm_a = SengGradientMaker(a, cfg, sketching_size=4, truncated_rank=2)
@@ -111,8 +128,9 @@ def test_interval_and_state_dict():
     gm_b = SengGradientMaker(b, cfg, sketching_size=4, truncated_rank=2, seed=7)
     gm_b.load_state_dict(copy.deepcopy(gm_a.state_dict()))
     for step in range(4, 8):  # crosses a curvature step with a fresh sketch
-        assert torch.equal(_run(gm_a, a, *_batch(a, seed=step)),
-                           _run(gm_b, b, *_batch(b, seed=step)))
+        assert torch.equal(
+            _run(gm_a, a, *_batch(a, seed=step)), _run(gm_b, b, *_batch(b, seed=step))
+        )
 
 
 def test_errors():

@@ -43,8 +43,11 @@ def _run(gm, model, x, t):
 @pytest.mark.parametrize("net", ["mlp", "conv", "norm"])
 def test_matches_dense_solve(net):
     torch.manual_seed(0)
-    model = {"mlp": mlp, "conv": lambda: ConvNet().double(),
-             "norm": lambda: NormNet().double()}[net]()
+    model = {
+        "mlp": mlp,
+        "conv": lambda: ConvNet().double(),
+        "norm": lambda: NormNet().double(),
+    }[net]()
     x, t = _batch(model)
     fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
     expected = damped_solve(fisher, flat_grad(model, x, t), DAMPING)
@@ -66,8 +69,9 @@ def test_reference_formula_matches_dense():
 def test_interval_reuses_stale_factors():
     torch.manual_seed(0)
     model = mlp()
-    cfg = PreconditioningConfig(damping=DAMPING, curvature_interval=2,
-                                preconditioner_interval=2)
+    cfg = PreconditioningConfig(
+        damping=DAMPING, curvature_interval=2, preconditioner_interval=2
+    )
     gm = SmwNgGradientMaker(model, cfg)
     for step in range(5):
         x, t = _batch(model, seed=step)
@@ -75,16 +79,19 @@ def test_interval_reuses_stale_factors():
         if step % 2 == 0:
             fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
         torch.testing.assert_close(
-            got, damped_solve(fisher, flat_grad(model, x, t), DAMPING),
-            rtol=1e-8, atol=1e-10,
+            got,
+            damped_solve(fisher, flat_grad(model, x, t), DAMPING),
+            rtol=1e-8,
+            atol=1e-10,
         )
     assert gm.curvature_updates == 3 and gm.preconditioner_updates == 3
 
 
 def test_state_dict_resumes_bit_exactly():
     torch.manual_seed(0)
-    cfg = PreconditioningConfig(damping=DAMPING, curvature_interval=2,
-                                preconditioner_interval=2)
+    cfg = PreconditioningConfig(
+        damping=DAMPING, curvature_interval=2, preconditioner_interval=2
+    )
     a = mlp()
     b = copy.deepcopy(a)
     gm_a = SmwNgGradientMaker(a, cfg)
@@ -94,8 +101,9 @@ def test_state_dict_resumes_bit_exactly():
     gm_b = SmwNgGradientMaker(b, cfg)
     gm_b.load_state_dict(copy.deepcopy(gm_a.state_dict()))
     for step in range(3, 6):
-        assert torch.equal(_run(gm_a, a, *_batch(a, seed=step)),
-                           _run(gm_b, b, *_batch(b, seed=step)))
+        assert torch.equal(
+            _run(gm_a, a, *_batch(a, seed=step)), _run(gm_b, b, *_batch(b, seed=step))
+        )
 
 
 def test_errors():

@@ -1,0 +1,83 @@
+"""The schedule simulator: reproduces the cost model's counts, a hand-computed
+communication schedule, the ideal speedups of DESIGN.md, and validates its input."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from leantrain.layer_parallel import ChunkLayout, solve_time
+from leantrain.layer_parallel.simulate import (
+    CommModel,
+    LayerTimes,
+    SimResult,
+    simulate,
+)
+
+CONFIGS = [
+    (n, p, levels, cf, k, relax, skip)
+    for n, p, levels, cf, k, relax, skip in itertools.product(
+        [32, 64], [1, 2, 4, 8], [2, 3], [2, 4], [1, 3], [0, 1], [True, False]
+    )
+    if (n // p) % cf ** (levels - 1) == 0 and (n + p + k + relax) % 3 == 0
+]
+
+
+@pytest.mark.parametrize("n,p,levels,cf,k,relax,skip", CONFIGS)
+def test_unit_times_reproduce_the_cost_model(n, p, levels, cf, k, relax, skip):
+    layout = ChunkLayout(n, p, cf, levels)
+    expect = solve_time(layout, (relax,) * (levels - 1), k, skip=skip)
+    kw = dict(levels=levels, cf=cf, fwd_iters=k, bwd_iters=k, relax=relax)
+    fwd = simulate(n, p, LayerTimes(1.0, 0.0, 1.0, 0.0), skip_downcycle=skip, **kw)
+    bwd = simulate(n, p, LayerTimes(0.0, 1.0, 0.0, 1.0), skip_downcycle=skip, **kw)
+    assert fwd.forward == pytest.approx(expect, abs=1e-9)
+    assert bwd.backward == pytest.approx(expect, abs=1e-9)  # adjoint: same schedule
+    assert fwd.serial == n and bwd.serial == n
+
+
+def test_hand_computed_schedule_with_latency():
+    # N=8, P=2, L=2, cf=2, one skipped cycle: chunk 0 solves 2 coarse steps (t=2),
+    # chunk 1 waits 2+a and solves 2 (4+a); final sweep: shift (4+a), F-relax 2 and
+    # C-relax 2 (8+a), residual all-reduce 2a (8+3a), the floor's state-norm
+    # all-reduce 2a (8+5a), output broadcast a (8+6a).
+    a = 0.25
+    r = simulate(8, 2, LayerTimes(1.0, 0.0), cf=2, fwd_iters=1, comm=CommModel(a))
+    assert r.forward == pytest.approx(8 + 6 * a)
+    bw = CommModel(latency=0.0, bandwidth=100.0)
+    r = simulate(8, 2, LayerTimes(1.0, 0.0), cf=2, fwd_iters=1, comm=bw, state_bytes=50)
+    # two 50-byte state messages and two all-reduces of one 8-byte float
+    assert r.forward == pytest.approx(8 + 2 * 0.5 + 2 * (2 * 0.08))
+
+
+@pytest.mark.parametrize("p,cf,expect", [(2, 4, 4 / 3), (4, 4, 2.0), (8, 4, 8 / 3)])
+def test_ideal_forward_speedup_of_design_md(p, cf, expect):
+    # TorchBraid default (F-relaxation, skip, one cycle, L=2): S = 1/(1/cf + 1/P)
+    r = simulate(64, p, LayerTimes(1.0, 0.0), cf=cf, fwd_iters=1, relax=0)
+    assert 64 / r.forward == pytest.approx(expect)
+
+
+def test_more_ranks_help_only_while_communication_is_cheap():
+    t = LayerTimes(1.0, 2.0, 1.2, 2.5)
+    kw = dict(levels=2, cf=4, fwd_iters=1, bwd_iters=1, state_bytes=1e3)
+    free = [simulate(128, p, t, **kw).speedup for p in (2, 4, 8, 16, 32)]
+    assert free == sorted(free)
+    slow = CommModel(latency=5.0)  # a message costs five layer steps
+    costly = [simulate(128, p, t, comm=slow, **kw).speedup for p in (2, 4, 8, 16, 32)]
+    assert all(c < f for c, f in zip(costly, free, strict=True))
+    assert costly[-1] < costly[2]
+
+
+def test_result_and_validation():
+    r = SimResult(forward=1.0, backward=2.0, step=3.0, serial=6.0)
+    assert r.speedup == 2.0
+    assert LayerTimes(1.0, 2.0).serial_step == 3.0
+    with pytest.raises(ValueError, match="divisible by cf"):
+        simulate(16, 2, LayerTimes(1.0, 1.0), cf=4, levels=3)
+    with pytest.raises(ValueError, match="LayerTimes.forward must be finite"):
+        LayerTimes(-1.0, 1.0)
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        CommModel(bandwidth=0.0)
+    with pytest.raises(ValueError, match="latency must be finite"):
+        CommModel(latency=math.nan)
