@@ -1,8 +1,10 @@
-"""Exact codebook DP: the monotone fast solver against the plain O(b^2 k) program.
+"""Exact codebook DP: the C and numpy solvers against the plain O(b^2 k) program.
 
-Prints one table: for b non-empty bins and k codes, the fast solver's CPU time
-(best of 3), the reference's CPU time (run only when its estimate is under the
-limit), the ratio and whether both reach the same optimal cost. One thread.
+Prints one table: for b non-empty bins and k codes, the C solver's CPU time
+(``_kernels/codebook_dp.c``; "n/a" without the native library), the numpy fast
+solver's (best of 3), the reference's CPU time (run only when its estimate is under
+the limit), the reference / fast ratio and whether all reach the same optimal cost.
+One thread.
 
     python benchmarks/codebook.py            # reference up to ~20 s per cell
     python benchmarks/codebook.py --limit 5  # tighter
@@ -17,6 +19,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from leantrain.optim import _native
 from leantrain.optim import codebook as cbm
 
 
@@ -47,9 +50,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(f"native library: {_native.status()}")
     header = (
-        f"{'bins':>5} {'k':>4} {'fast (CPU s)':>12} {'reference (CPU s)':>22} "
-        f"{'ratio':>7} {'equal cost':>10}"
+        f"{'bins':>5} {'k':>4} {'C (CPU s)':>10} {'numpy (CPU s)':>13} "
+        f"{'reference (CPU s)':>22} {'ratio':>7} {'equal cost':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -58,6 +62,14 @@ def main() -> None:
         x, c, _ = cbm._prepare(counts, 2)
         for k in (16, 256):
             fast_t, (_, fast_bounds) = best_of(partial(cbm._solve_fast, x, c, k))
+            native_t, native = best_of(partial(cbm._solve_native, x, c, k))
+            # Partition costs evaluated directly (no prefix-sum rounding).
+            fast_direct = cbm._partition_cost(fast_bounds, x, c)
+            same_native = native is None or (
+                abs(cbm._partition_cost(native[1], x, c) - fast_direct)
+                <= 1e-12 * fast_direct
+            )
+            native_s = "n/a" if native is None else f"{native_t:.4f}"
             # One reference layer, times the number of layers, estimates the whole.
             one_layer, _ = best_of(partial(cbm._solve_reference, x, c, 3), repeat=1)
             estimate = one_layer * (k - 2)
@@ -70,12 +82,16 @@ def main() -> None:
                 ref_cost = cbm._partition_cost(ref_bounds, x, c)
                 ref = f"{ref_t:.3f}"
                 ratio = f"{ref_t / fast_t:.0f}x"
-                equal = "yes" if abs(fast_cost - ref_cost) <= 1e-9 * ref_cost else "NO"
+                same = abs(fast_cost - ref_cost) <= 1e-9 * ref_cost and same_native
+                equal = "yes" if same else "NO"
             else:
                 ref = f"skipped (est. {estimate:.0f} s)"
                 ratio = f"~{estimate / fast_t:.0f}x"
-                equal = "-"
-            print(f"{bins:>5} {k:>4} {fast_t:>12.4f} {ref:>22} {ratio:>7} {equal:>10}")
+                equal = "C=numpy" if same_native else "NO"
+            print(
+                f"{bins:>5} {k:>4} {native_s:>10} {fast_t:>13.4f} {ref:>22} "
+                f"{ratio:>7} {equal:>10}"
+            )
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ class DistExchange(Exchange):
             :class:`LayerParallelCommError` is raised.
 
     Example:
-        >>> ex = DistExchange()  # doctest: +SKIP  (needs an initialised group)
+        >>> ex = DistExchange()  # doctest: +SKIP
         >>> ghost = ex.shift([last], first=u0)[0]  # doctest: +SKIP
     """
 

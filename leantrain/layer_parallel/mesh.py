@@ -103,7 +103,7 @@ class GradientAverager:
 
     Example:
         >>> avg = GradientAverager(model.parameters(), dp_group)  # doctest: +SKIP
-        >>> loss.backward()  # gradients are averaged over dp when this returns
+        >>> loss.backward()  # doctest: +SKIP
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group) -> None:

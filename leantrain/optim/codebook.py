@@ -282,7 +282,9 @@ def codebook_cost(counts: Tensor, codebook: Tensor) -> float:
 
 
 # --------------------------------------------------------------------- native solver
-def _solve_native(x: np.ndarray, c: np.ndarray, k: int) -> tuple[float, list[int]] | None:
+def _solve_native(
+    x: np.ndarray, c: np.ndarray, k: int
+) -> tuple[float, list[int]] | None:
     """The DP in C (divide and conquer per layer, ``_kernels/codebook_dp.c``) on the
     same prefix sums as :func:`_solve_fast`; None when the library is unavailable
     (no compiler, ``LEANTRAIN_NO_NATIVE=1``) or ``k < 3`` (nothing to solve)."""

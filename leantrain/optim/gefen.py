@@ -2,7 +2,9 @@
 
 The class is bookkeeping only (param groups, lazy state, the first-step partition
 and codebook, checkpoints, the non-finite gradient policy); the update itself is the
-pure function ``_step.reference_step``.
+pure function ``_step.reference_step``; ``step()`` runs its fused twin
+``_fused.fused_step`` (a C kernel, or chunked PyTorch without a compiler), which a
+parity test holds equal to the reference.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch.optim.optimizer import ParamsT
 
 from . import _checks
 from ._state import check_state, new_state, qblock_for, share_codebooks, state_bits
-from ._step import reference_step
+from ._fused import fused_step
 
 __all__ = ["Gefen"]
 
@@ -250,7 +252,7 @@ class Gefen(Optimizer):
         self._init_states(active)
         for group, param, _ in active:
             beta1, beta2 = group["betas"]
-            reference_step(
+            fused_step(
                 param,
                 param.grad,
                 self.state[param],

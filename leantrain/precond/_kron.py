@@ -201,20 +201,31 @@ class KronFactorMaker(PreconditionedGradientMaker):
         super().__init__(model, config)
         inner = unwrap_model(model)
         selected = {name for name, _ in self.modules()}
-        ignored = [
-            name
+        # The collector refuses modules it cannot handle, and ignoring by name covers
+        # a whole subtree (the root's name "" covers everything), so the parameters
+        # of every module we leave alone are hidden from it while it is built: they
+        # keep their plain gradients and the modules inside them stay tracked.
+        hidden = [
+            p
             for name, m in inner.named_modules()
             if name not in selected
-            and any(p.requires_grad for p in m.parameters(recurse=False))
+            for p in m.parameters(recurse=False)
+            if p.requires_grad
         ]
-        self._collector = _PassCollector(
-            inner,
-            shapes=("kron",),
-            ignore_modules=ignored,
-            # BatchNorm in training mode: batch statistics treated as constants.
-            allow_batch_coupling=True,
-            check_gradients=False,  # a per-example check each step would double cost
-        )
+        for p in hidden:
+            p.requires_grad_(False)
+        try:
+            self._collector = _PassCollector(
+                inner,
+                shapes=("kron",),
+                # BatchNorm in training mode: batch statistics treated as constants.
+                allow_batch_coupling=True,
+                # A per-example check each step would double the curvature cost.
+                check_gradients=False,
+            )
+        finally:
+            for p in hidden:
+                p.requires_grad_(True)
         self.ops: dict[str, ModuleOp] = self._collector.ops
 
     def is_supported(self, module: nn.Module) -> bool:

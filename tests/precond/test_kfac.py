@@ -307,3 +307,27 @@ def test_ignored_module_keeps_plain_gradient():
 def test_bad_arguments_raise(kwargs, err):
     with pytest.raises(err, match=str(next(iter(kwargs.values())))[:3]):
         KfacGradientMaker(mlp(), **kwargs)
+
+
+def test_root_parameter_keeps_plain_gradient_and_children_are_preconditioned():
+    class WithPosition(nn.Module):  # like a ViT: a parameter owned by the root
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(4, dtype=torch.float64))
+            self.body = mlp()
+
+        def forward(self, x):
+            return self.body(x + self.pos)
+
+    model, (x, t) = WithPosition(), batch()
+    ref = plain_grads(model, x, t)
+    gm = KfacGradientMaker(model, fisher_type="fisher_emp", damping_mode="exact")
+    assert [n for n, _ in gm.modules()] == ["body.0", "body.2"]
+    step(gm, model, x, t)
+    torch.testing.assert_close(model.pos.grad, ref.pos.grad)
+    factors = kron_factors(ref, x, t, ["body.2"], "fisher_emp")
+    a, b = factors["body.2"]
+    want = dense_solve(a, b, canonical_grad(ref.body[2]), damping=1e-7)
+    torch.testing.assert_close(
+        canonical_grad(model.body[2]), want, rtol=1e-6, atol=1e-10
+    )
