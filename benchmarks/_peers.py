@@ -116,7 +116,7 @@ def adam_mini(model: nn.Module, lr: float, weight_decay: float) -> Optimizer:
     dim = getattr(config, "d_model", 2048)
     heads = getattr(config, "n_head", 32)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return _quiet(
+    opt = _quiet(
         lambda: Adam_mini(
             named,
             lr=lr,
@@ -126,6 +126,13 @@ def adam_mini(model: nn.Module, lr: float, weight_decay: float) -> Optimizer:
             verbose=False,
         )
     )
+    # Its substring rules send e.g. "ln_mlp.weight" (1-D, contains "mlp") to the
+    # per-neuron matrix branch, which raises IndexError. Its documented fix is to
+    # extend the name sets: every 1-D parameter goes to its per-element Adam branch.
+    for name, p in named:
+        if p.ndim < 2:
+            opt.adam_block_names.add(name.lower())
+    return opt
 
 
 def bnb_adamw8bit(model: nn.Module, lr: float, weight_decay: float) -> Optimizer:
@@ -169,7 +176,9 @@ PEERS: dict[str, Peer] = {
         "leantrain GefenMuon 8-bit, Muon lr 0.02; embeddings+head+1-D on AdamW",
     ),
     "gefen-1.2.3": Peer(gefen_upstream, "authors' gefen 1.2.3, fused=False on CPU"),
-    "adam-mini-1.1.1": Peer(adam_mini, "Adam-mini 1.1.1 (name-based blocks)"),
+    "adam-mini-1.1.1": Peer(
+        adam_mini, "Adam-mini 1.1.1 (name-based blocks; 1-D params named to Adam)"
+    ),
     "bnb-adamw8bit": Peer(
         bnb_adamw8bit, "bitsandbytes AdamW8bit (tensors < 4096 elements stay fp32)"
     ),

@@ -40,6 +40,7 @@ import torch
 from leantrain.optim import _fused, _native
 from leantrain.optim._state import new_state
 from leantrain.optim._step import reference_step
+from leantrain.optim.codebook import histogram, learn_codebook
 from leantrain.optim._torch_step import torch_step
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -92,16 +93,15 @@ def timed(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def learned_like_codebook(bits: int) -> torch.Tensor:
-    """Sorted, denser near 0, ends pinned to -1 and +1 (like a learned codebook)."""
-    t = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
-    return (t.sign() * t.abs() ** 1.7).float()
+def learned_codebook(grad: torch.Tensor, period: int, bits: int) -> torch.Tensor:
+    """The codebook Gefen learns from this gradient (as on its first step)."""
+    return learn_codebook(histogram(grad, period), 2**bits)
 
 
 def gefen_case(numel: int, period: int, bits: int | None, step_fn):
     param = torch.randn(numel)
     grad = torch.randn(numel)
-    cb = learned_like_codebook(bits) if bits else None
+    cb = learned_codebook(grad, period, bits) if bits else None
     state = new_state(param, period, bits, cb)
 
     def step():

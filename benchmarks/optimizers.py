@@ -7,10 +7,11 @@ Prints one table per model:
   tensors (``_peers.extra_state_tensors``), each storage counted once, divided by
   the number of parameters.
 * **peak step MiB** -- extra resident memory during ``step()``: VmHWM is reset by
-  writing "5" to ``/proc/self/clear_refs`` just before the step, and the step's
-  peak is VmHWM (``/proc/self/status``) after it minus VmRSS before it. Memory the
-  allocator reuses without touching new pages is not seen, so this is a lower bound
-  on the temporaries, and the first step (state allocation) is left out.
+  writing "5" to ``/proc/self/clear_refs`` just before the step (after glibc's
+  ``malloc_trim(0)`` hands freed heap pages back), and the step's peak is VmHWM
+  (``/proc/self/status``) after it minus VmRSS before it; the largest over the
+  steps after the first (the first allocates the state). Freed memory the allocator
+  still holds and reuses is not seen, so this is a lower bound on the temporaries.
 * **step ms** -- median ``step()`` time after the first step, and its ratio to
   AdamW (foreach) measured in the same run; **first s** -- the first ``step()``
   (partitions, codebooks, compilation).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import gc
 import math
 import os
@@ -49,6 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _peers import PEERS, extra_state_tensors  # noqa: E402
 
 BASELINE = "adamw-foreach"
+try:  # glibc: malloc_trim lets the step's temporaries show up as new pages
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
+except OSError:
+    _LIBC = None
 
 
 # --- memory and state accounting ---------------------------------------------------
@@ -63,6 +69,9 @@ def _proc_status_kib(key: str) -> int:
 
 
 def _reset_peak_rss() -> bool:
+    """Returns freed heap memory to the OS, then resets VmHWM to the current RSS."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -171,7 +171,12 @@ class Controller:
     def step(self) -> Decision | None:
         """Account for the batch just trained; decide if it was a check batch."""
         decision = None
-        if self._saved is not None:
+        if self._saved is not None and self.switched:
+            # switched to serial by the user during a check batch: nothing measured
+            for s, (f, b) in zip(self.stacks, self._saved, strict=True):
+                s.set_iterations(f, b)
+            self._saved = None
+        elif self._saved is not None:
             decision = self._decide()
         self.batch += 1
         self._arm()

@@ -215,6 +215,21 @@ class LayerParallel(nn.Module):
         n0, c = self.layout.per_chunk(0), self._exchanges[0].chunk
         return range(c * n0, (c + 1) * n0)
 
+    def synchronize_layers(self) -> None:
+        """Give every rank the current weights of every layer (from their owners).
+
+        Each rank trains only its own layers; call this before saving a full
+        checkpoint from one rank or evaluating the whole stack in one process. One
+        broadcast per parameter and buffer; a no-op unless distributed.
+        """
+        if not self.is_distributed:
+            return
+        fwd, n0 = self._exchanges[0], self.layout.per_chunk(0)
+        with torch.no_grad():
+            for n, step in enumerate(self.steps):
+                for t in [*step.parameters(), *step.buffers()]:
+                    t.copy_(fwd.broadcast(t, n // n0))
+
     def local_parameters(self) -> list[nn.Parameter]:
         """Parameters of :attr:`owned_layers` (the ones this process trains)."""
         return [p for n in self.owned_layers for p in self.steps[n].parameters()]

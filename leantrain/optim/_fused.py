@@ -4,10 +4,10 @@ r"""Gefen's fast step: the fused C kernel on CPU, a chunked PyTorch path elsewhe
 computes the same update (docs/CONTRACTS.md, "Gefen state"), with temporaries
 bounded by a chunk, never by the parameter:
 
-* **"c"** — fp32 parameter and gradient on the CPU, contiguous, with
+* **"c"** — fp32 or bf16 parameter and gradient on the CPU, contiguous, with
   qblock == period (or period 1): one call into ``_kernels/gefen_step.c``, threads
   over blocks, one pass over g and the codes per block (see the C file's header).
-* **"torch"** — everything else (other dtypes, CUDA, no compiler,
+* **"torch"** — everything else (fp16, CUDA, no compiler,
   ``LEANTRAIN_NO_NATIVE=1``): the same math in plain tensor ops over chunks of
   whole blocks (two passes over sub-chunks for a block longer than a chunk). On
   CUDA the chunk function is ``torch.compile``'d.
@@ -30,7 +30,8 @@ from torch import Tensor
 
 from . import _native
 from ._quant_table import QuantTable, quant_table
-from ._torch_step import state_layout, torch_step
+from ._torch_step import packed_codes, state_layout, torch_step
+from .precision import default_stochastic, rounding_key
 
 # Sub-chunk of the C kernel (None: its largest, 8192 elements); tests lower it to
 # exercise the kernel's recompute path on small blocks.
@@ -65,6 +66,21 @@ class _Hyper(ctypes.Structure):
     ]
 
 
+class _Io(ctypes.Structure):
+    # Same order and types as lt_io in gefen_step.c.
+    _fields_ = [
+        ("param_bf16", ctypes.c_int32),
+        ("grad_bf16", ctypes.c_int32),
+        ("packed", ctypes.c_int32),
+        ("stochastic", ctypes.c_int32),
+        ("key", ctypes.c_uint64),
+    ]
+
+
+# Parameter and gradient dtypes the C kernel reads and writes itself.
+_C_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class _Quantizer(ctypes.Structure):
     # Same order and types as lt_quantizer in gefen_step.c.
     _fields_ = [
@@ -76,6 +92,7 @@ class _Quantizer(ctypes.Structure):
         ("ncodes", ctypes.c_int32),
         ("nuniq", ctypes.c_int32),
         ("ncell", ctypes.c_int32),
+        ("steps", ctypes.c_int32),
     ]
 
 
@@ -87,7 +104,8 @@ def _c_eligible(param: Tensor, grad: Tensor, state: dict) -> bool:
     else:
         tensors += [state["exp_avg"]]
     return (
-        param.dtype == grad.dtype == torch.float32
+        param.dtype in _C_DTYPES
+        and grad.dtype in _C_DTYPES
         and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
         and not grad.is_sparse
         and _native.load() is not None
@@ -103,8 +121,14 @@ def c_step(
     chunk: int | None = None,
     threads: int | None = None,
     layout: tuple[int, int, int] | None = None,
+    stochastic: bool = False,
+    key: int = 0,
 ) -> None:
     """Runs the C kernel on one parameter (``state['step']`` already advanced).
+
+    ``param`` and ``grad`` are fp32 or bf16 (each on its own); a bf16 parameter is
+    written back rounded to nearest, or stochastically (``stochastic``, keyed by
+    ``key``; see :mod:`leantrain.optim.precision`).
 
     Raises:
         ValueError: a tensor of the wrong dtype, device, layout or size (checked
@@ -119,16 +143,22 @@ def c_step(
     n = param.numel()
     if grad.numel() != n:
         raise ValueError(f"grad has {grad.numel()} elements, param {n}")
-    named = {"param": param, "grad": grad, "exp_avg_sq": state["exp_avg_sq"]}
+    for name, t in (("param", param), ("grad", grad)):
+        if t.dtype not in _C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: the C kernel needs a contiguous fp32 or bf16 CPU tensor, "
+                f"got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
+            )
+    named = {"exp_avg_sq": state["exp_avg_sq"]}
     if bits:
-        for key in ("exp_avg_absmax", "codebook"):
-            named[key] = state[key]
+        for name in ("exp_avg_absmax", "codebook"):
+            named[name] = state[name]
     else:
         named["exp_avg"] = state["exp_avg"]
-    for key, t in named.items():
+    for name, t in named.items():
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(
-                f"{key}: the C kernel needs a contiguous fp32 CPU tensor, got "
+                f"{name}: the C kernel needs a contiguous fp32 CPU tensor, got "
                 f"{t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
             )
     codes = state.get("exp_avg_codes")
@@ -141,8 +171,10 @@ def c_step(
             f"exp_avg_codes: the C kernel needs contiguous uint8 CPU codes, got "
             f"{codes.dtype} on {codes.device}"
         )
-    if lib.lt_sizeof_quantizer() != ctypes.sizeof(_Quantizer) or (
-        lib.lt_sizeof_hyper() != ctypes.sizeof(_Hyper)
+    if (
+        lib.lt_sizeof_quantizer() != ctypes.sizeof(_Quantizer)
+        or lib.lt_sizeof_hyper() != ctypes.sizeof(_Hyper)
+        or lib.lt_sizeof_io() != ctypes.sizeof(_Io)
     ):
         raise RuntimeError("the native kernel's struct layouts differ from _fused's")
     max_chunk = lib.lt_max_chunk()
@@ -161,7 +193,15 @@ def c_step(
             table.codebook.numel(),
             table.uniq.numel(),
             table.lut.numel(),
+            table.steps,
         )
+    io = _Io(
+        param.dtype == torch.bfloat16,
+        grad.dtype == torch.bfloat16,
+        bits == 4 and packed_codes(param, state),
+        bool(stochastic) and param.dtype == torch.bfloat16,
+        key & 0xFFFFFFFFFFFFFFFF,
+    )
     threads = threads or (torch.get_num_threads() if n >= _THREAD_MIN else 1)
     rc = lib.lt_gefen_step(
         param.data_ptr(),
@@ -176,6 +216,7 @@ def c_step(
         bits,
         ctypes.byref(quantizer) if quantizer is not None else None,
         ctypes.byref(_Hyper(**hyper)),
+        ctypes.byref(io),
         chunk,
         threads,
     )
@@ -222,15 +263,33 @@ def fused_step(
     eps: float,
     weight_decay: float,
     maximize: bool,
+    stochastic_rounding: bool | None = None,
+    seed: int = 0,
 ) -> None:
     """Applies one Gefen step to ``param`` in place; same contract as
     ``_step.reference_step`` (same arguments, same state, same result to fp32
     rounding), on the fastest path available for these tensors.
 
+    Parameters and gradients may be fp32, bf16 or fp16 (the math is fp32 either
+    way). A bf16/fp16 parameter's updated fp32 value is written back rounded to
+    nearest (``reference_step``'s rounding) or, with stochastic rounding, to one of
+    its two neighbours, unbiasedly, with random bits from a counter-based hash of
+    the element's flat index and ``rounding_key(seed, step)``
+    (:mod:`leantrain.optim.precision`): deterministic given ``seed`` and the state's
+    ``step``, so a resumed run continues bit-exactly.
+
+    Args:
+        stochastic_rounding: True or False, or None for "on for bf16 parameters,
+            off otherwise". No effect on fp32 parameters.
+        seed: identifies the parameter's random stream; give every parameter its
+            own (e.g. a base seed plus its index in the optimizer) and keep it
+            across a checkpoint.
+
     Raises:
         ValueError: grad and param differ in size, or the state's tensors do not fit
             the parameter (sizes, a period outside [1, numel], a codebook that is not
             16 or 256 sorted codes).
+        TypeError: ``stochastic_rounding`` is not a bool or None, ``seed`` not an int.
 
     Example:
         >>> import torch
@@ -248,7 +307,11 @@ def fused_step(
     if n == 0:
         return
     layout = state_layout(param, state)  # raises before anything changes
+    stochastic = default_stochastic(param.dtype, stochastic_rounding)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     state["step"] += 1
+    key = rounding_key(seed, int(state["step"])) if stochastic else 0
     hyper = hyperparameters(
         float(state["step"]),
         lr=lr,
@@ -259,6 +322,6 @@ def fused_step(
         maximize=maximize,
     )
     if _c_eligible(param, grad, state):
-        c_step(param, grad, state, hyper, layout=layout)
+        c_step(param, grad, state, hyper, layout=layout, stochastic=stochastic, key=key)
     else:
-        torch_step(param, grad, state, hyper)
+        torch_step(param, grad, state, hyper, stochastic=stochastic, key=key)

@@ -132,10 +132,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.lt_gefen_step.restype = ctypes.c_int
     lib.lt_gefen_step.argtypes = [pointer] * 6 + [i64, i64, i64, i32]
-    lib.lt_gefen_step.argtypes += [pointer, pointer, i64, i32]
+    lib.lt_gefen_step.argtypes += [pointer, pointer, pointer, i64, i32]
     lib.lt_codebook_dp.restype = ctypes.c_double
     lib.lt_codebook_dp.argtypes = [pointer] * 5 + [i64, i64, pointer, pointer]
-    for name in ("lt_sizeof_quantizer", "lt_sizeof_hyper", "lt_max_chunk"):
+    for name in (
+        "lt_sizeof_quantizer",
+        "lt_sizeof_hyper",
+        "lt_sizeof_io",
+        "lt_max_chunk",
+    ):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
 

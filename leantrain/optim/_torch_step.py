@@ -1,6 +1,6 @@
 """Gefen's step in plain PyTorch over bounded chunks (the fused path's fallback).
 
-Used where the C kernel is not: other dtypes (bf16/fp16 parameters or gradients),
+Used where the C kernel is not: other dtypes (fp16 parameters or gradients),
 CUDA, non-contiguous tensors, no compiler, ``LEANTRAIN_NO_NATIVE=1``. Same math and
 roundings as the kernel (``_kernels/gefen_step.c``) and the reference
 (``_step.reference_step``); temporaries are ~120 bytes per element of one chunk of
@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ._quant_table import QuantTable, nearest_index, quant_table
+from .precision import round_to
 
 # Elements per chunk: temporaries are ~120 B per element of a chunk (fp32, fp64 and
 # int64 vectors), so 2**17 keeps them near 16 MiB whatever the tensor.
@@ -58,21 +59,44 @@ def state_layout(param: Tensor, state: dict) -> tuple[int, int, int]:
     block = int(state["qblock"])
     if block != period and period != 1:
         raise ValueError(f"state 'qblock' {block} must equal 'period' {period}")
-    want = {
-        "exp_avg_codes": n if bits == 8 else (n + 1) // 2,
-        "exp_avg_absmax": math.ceil(n / block),
-    }
-    for key, size in want.items():
-        if state[key].numel() != size:
-            raise ValueError(
-                f"state '{key}' has {state[key].numel()} elements; a {bits}-bit "
-                f"state of {n} elements with qblock {block} needs {size}"
-            )
+    codes = state["exp_avg_codes"].numel()
+    allowed = (n,) if bits == 8 else ((n + 1) // 2, n)  # 4-bit: packed or not
+    if codes not in allowed:
+        need = " or ".join(str(a) for a in sorted(set(allowed)))
+        raise ValueError(
+            f"state 'exp_avg_codes' has {codes} elements; a {bits}-bit state of {n} "
+            f"elements needs {need}"
+        )
+    absmax = math.ceil(n / block)
+    if state["exp_avg_absmax"].numel() != absmax:
+        raise ValueError(
+            f"state 'exp_avg_absmax' has {state['exp_avg_absmax'].numel()} elements; "
+            f"{n} elements with qblock {block} need {absmax}"
+        )
     return period, block, bits
 
 
+def packed_codes(param: Tensor, state: dict) -> bool:
+    """True when the state's 4-bit codes are packed two per byte (element 2i in the
+    low nibble); 8-bit codes, and 4-bit codes stored one per byte, are not.
+
+    A parameter's codes are flat or take its shape (4-bit: packed along the last
+    dimension when it is even); either way the flat, row-major order is the same,
+    so only the byte count tells the two storages apart (and for one element they
+    are the same bytes).
+    """
+    codes = state.get("exp_avg_codes")
+    return (
+        codes is not None
+        and state["codebook"].numel() == 16
+        and codes.numel() != param.numel()
+    )
+
+
 def read_codes(codes: Tensor, start: int, end: int, bits: int) -> Tensor:
-    """Codes of elements [start, end) as int64 (4-bit: element 2i is the low nibble)."""
+    """Codes of elements [start, end) as int64 from flat codes; ``bits`` is the
+    storage: 4 = two codes per byte (element 2i in the low nibble), 8 = one per byte.
+    """
     if bits == 8:
         return codes[start:end].long()
     raw = codes[start // 2 : (end + 1) // 2].long()
@@ -81,8 +105,9 @@ def read_codes(codes: Tensor, start: int, end: int, bits: int) -> Tensor:
 
 
 def write_codes(codes: Tensor, start: int, end: int, values: Tensor, bits: int) -> None:
-    """Stores codes of elements [start, end); nibbles of neighbours are kept, and the
-    unused high nibble after an odd tensor's last element is zero."""
+    """Stores codes of elements [start, end) into flat codes (``bits``: the storage,
+    as in :func:`read_codes`); nibbles of neighbours are kept, and the unused high
+    nibble after an odd tensor's last element is zero."""
     values = values.to(torch.uint8)
     if bits == 8:
         codes[start:end] = values
@@ -255,8 +280,21 @@ def chunk_function(device: torch.device):
     return compiled
 
 
-def torch_step(param: Tensor, grad: Tensor, state: dict, h: dict[str, float]) -> None:
-    """The chunked PyTorch step (``state['step']`` already advanced)."""
+def torch_step(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    h: dict[str, float],
+    *,
+    stochastic: bool = False,
+    key: int = 0,
+) -> None:
+    """The chunked PyTorch step (``state['step']`` already advanced).
+
+    A bf16/fp16 parameter is updated in fp32 per chunk and written back rounded to
+    nearest, or with ``stochastic`` rounding keyed by ``key``
+    (:mod:`leantrain.optim.precision`; element i draws the bits of its flat index).
+    """
     period, block, bits = state_layout(param, state)
     table = quant_table(state["codebook"]) if bits else None
     if table is not None and table.codebook.device != param.device:
@@ -266,10 +304,22 @@ def torch_step(param: Tensor, grad: Tensor, state: dict, h: dict[str, float]) ->
                 for t in vars(table).values()
             )
         )
+    if bits:
+        # Codes may take the parameter's shape; the work is on the flat view (the
+        # same storage), and "bits" below is the storage: 4 only when packed.
+        bits = 4 if packed_codes(param, state) else 8
+        state = {**state, "exp_avg_codes": state["exp_avg_codes"].view(-1)}
     n = param.numel()
     flat = param.view(-1) if param.is_contiguous() else param.reshape(-1).clone()
     flat_grad = grad.reshape(-1)
     sign = -1.0 if h["sign"] < 0 else 1.0
+
+    def write_back(w: Tensor, w32: Tensor, start: int) -> None:
+        if w32 is not w:
+            w.copy_(
+                round_to(w32, w.dtype, stochastic=stochastic, seed=key, offset=start)
+            )
+
     if block > TORCH_CHUNK:
         for start in range(0, n, block):
             end = min(start + block, n)
@@ -289,8 +339,7 @@ def torch_step(param: Tensor, grad: Tensor, state: dict, h: dict[str, float]) ->
                 TORCH_CHUNK,
                 sign,
             )
-            if w32 is not w:
-                w.copy_(w32)
+            write_back(w, w32, start)
     else:
         step = max(1, TORCH_CHUNK // (2 * block)) * 2 * block
         chunk_fn = chunk_function(param.device)
@@ -300,7 +349,6 @@ def torch_step(param: Tensor, grad: Tensor, state: dict, h: dict[str, float]) ->
             w = flat[start:end]
             w32 = w if w.dtype == torch.float32 else w.float()
             chunk_fn(w32, g, state, start, end, period, block, bits, table, h)
-            if w32 is not w:
-                w.copy_(w32)
+            write_back(w, w32, start)
     if not param.is_contiguous():
         param.copy_(flat.view(param.shape))

@@ -17,11 +17,22 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from . import _checks
-from ._state import check_state, new_state, qblock_for, share_codebooks, state_bits
+from . import _checkpoint, _checks, _dist
+from . import _reducible_partition as _partition
 from ._fused import fused_step
+from ._sharded import (
+    begin_step,
+    finish_step,
+    local_histogram,
+    new_local_state,
+    partial_absmax,
+)
+from ._state import new_state, qblock_for, share_codebooks, state_bits
 
 __all__ = ["Gefen"]
+
+# Histogram bins of the first-gradient codebook (codebook.histogram's default).
+BINS = 4096
 
 # Keys kept on the CPU (0-dim bookkeeping, like torch's non-capturable `step`).
 _HOST_KEYS = ("step", "period", "qblock")
@@ -105,6 +116,7 @@ class Gefen(Optimizer):
         self.nonfinite_steps = 0
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(_load_pre_hook)
+        self.register_state_dict_post_hook(_state_dict_post_hook)
         self.register_load_state_dict_post_hook(_load_post_hook)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -129,14 +141,24 @@ class Gefen(Optimizer):
                 index += 1
                 if param.grad is None or param.numel() == 0:
                     continue
-                _checks.check_grad(param.grad, label)
+                _checks.check_grad(_dist.local(param.grad), label)
                 active.append((group, param, label))
         return active
 
     def _all_finite(self, active: list[tuple[dict, Tensor, str]]) -> bool:
-        """Applies the non-finite policy; False means: skip this whole step."""
-        for _, param, label in active:
-            if _checks.is_finite(param.grad):
+        """Applies the non-finite policy; False means: skip this whole step.
+
+        With sharded parameters the verdict is agreed across their ranks (one
+        small MIN all_reduce), so every rank skips or steps together.
+        """
+        finite = [_checks.is_finite(_dist.local(p.grad)) for _, p, _ in active]
+        sharded = [p for _, p, _ in active if _dist.is_sharded(p)]
+        if sharded:
+            flags = torch.tensor(finite, dtype=torch.float32)
+            group = _dist.group_of(sharded[0])
+            finite = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
+        for ok, (_, _, label) in zip(finite, active, strict=True):
+            if ok:
                 continue
             if self.nonfinite == "raise":
                 raise FloatingPointError(f"Gefen: non-finite gradient in {label}")
@@ -159,9 +181,19 @@ class Gefen(Optimizer):
             return n
         if partition != "auto":
             return min(int(partition), n)
-        from .partition import choose_period
-
-        period = int(choose_period(param.grad))
+        # The reducible twin of partition.choose_period: integer statistics, so
+        # the period of the global tensor is the same on every rank and for every
+        # sharding (single process included).
+        grad = _dist.local(param.grad)
+        if _dist.is_sharded(param):
+            period = _partition.choose_period(
+                grad,
+                tuple(param.shape),
+                _dist.my_span(param).start,
+                _dist.reduce_sum_fn(_dist.group_of(param)),
+            )
+        else:
+            period = _partition.choose_period(grad, tuple(param.shape))
         if not 1 <= period <= n:
             raise ValueError(
                 f"choose_period returned {period} for a tensor of {n} elements; "
@@ -184,7 +216,7 @@ class Gefen(Optimizer):
         a momentum width, the codebook: the histogram of every such gradient divided
         by its block absmax, summed, fed to the exact 1-D k-means.
         """
-        fresh = [(g, p) for g, p, _ in active if not self.state[p]]
+        fresh = [(g, p) for g, p, _ in active if _fresh(self.state[p])]
         if not fresh:
             return
         periods = {p: self._period(g, p) for g, p in fresh}
@@ -202,26 +234,57 @@ class Gefen(Optimizer):
                 )
             codebooks[bits] = codebook
         for group, param in fresh:
-            bits = group["momentum_bits"]
-            self.state[param] = new_state(
-                param, periods[param], bits, codebooks.get(bits)
+            bits, codebook = (
+                group["momentum_bits"],
+                codebooks.get(group["momentum_bits"]),
             )
+            if _dist.is_sharded(param):
+                self.state[param] = new_local_state(
+                    param.to_local(),
+                    _dist.my_span(param),
+                    periods[param],
+                    bits,
+                    codebook,
+                )
+            else:
+                self.state[param] = new_state(
+                    _dist.local(param), periods[param], bits, codebook
+                )
 
     @staticmethod
     def _learn_codebook(bits: int, members: list[tuple[dict, Tensor, int]]) -> Tensor:
         from .codebook import histogram, learn_codebook
 
-        counts = None
+        counts = torch.zeros(BINS, dtype=torch.float64)
+        sharded = []
         for group, param, period in members:
-            g = param.grad.reshape(-1).float()
+            g = _dist.local(param.grad).reshape(-1).float()
             if group["maximize"]:
                 g = -g
             # Normalize by the momentum's own quantization blocks (qblock): the
             # codebook must fit m / absmax, also for per-element second moments.
-            h = histogram(g, qblock_for(period))
-            counts = h if counts is None else counts + h
+            if _dist.is_sharded(param):
+                sharded.append((param, g, qblock_for(period)))
+            else:
+                counts += histogram(g, qblock_for(period), BINS).cpu()
+        if sharded:
+            # Blocks straddling ranks need their global absmax before anyone
+            # normalizes; the sum of the ranks' histograms is the global one.
+            reduce = _dist.SharedReduce()
+            parts = []
+            for param, g, qblock in sharded:
+                span = _dist.my_span(param)
+                absmax = partial_absmax(g, span, qblock)
+                reduce.add(absmax, span, qblock, _dist.shared_for(param, qblock))
+                parts.append((g, span, qblock, absmax))
+            group = _dist.group_of(sharded[0][0])
+            reduce.run("max", group)
+            local = torch.zeros(BINS, dtype=torch.float64)
+            for g, span, qblock, absmax in parts:
+                local += local_histogram(g, span, qblock, absmax, BINS).cpu()
+            counts += _dist.all_reduce(local, "sum", group)
         codebook = learn_codebook(counts, 2**bits).to(torch.float32)
-        return codebook.to(members[0][1].device)
+        return codebook.to(_dist.local(members[0][1]).device)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -241,20 +304,27 @@ class Gefen(Optimizer):
         active = self._active()
         if not self._all_finite(active):
             return loss
+        if self._template_step(active):
+            return loss
         for group, param, label in active:
             state = self.state[param]
-            if state and state_bits(state) != group["momentum_bits"]:
+            if not _fresh(state) and state_bits(state) != group["momentum_bits"]:
                 raise ValueError(
                     f"{label}: its state holds momentum_bits={state_bits(state)} but "
                     f"its group now says {group['momentum_bits']}; momentum_bits "
                     "cannot change after the first step"
                 )
         self._init_states(active)
+        straddling = []
         for group, param, _ in active:
+            layout = self._layout(param)
+            if layout is not None:
+                straddling.append((group, param, layout))
+                continue
             beta1, beta2 = group["betas"]
             fused_step(
-                param,
-                param.grad,
+                _dist.local(param),
+                _dist.local(param.grad),
                 self.state[param],
                 lr=float(group["lr"]),
                 beta1=float(beta1),
@@ -263,7 +333,90 @@ class Gefen(Optimizer):
                 weight_decay=float(group["weight_decay"]),
                 maximize=group["maximize"],
             )
+        if straddling:
+            self._straddling_step(straddling)
         return loss
+
+    def _template_step(self, active: list[tuple[dict, Tensor, str]]) -> bool:
+        """Recognizes DCP's optimizer-state initialisation (a step with every
+        gradient zero at lr 0 on fresh parameters) and answers it with provisional
+        states (``period`` 0) instead of learning a partition and a codebook from
+        zeros. Parameters and existing states are untouched. True when it did."""
+        if not active or any(float(g["lr"]) != 0.0 for g in self.param_groups):
+            return False
+        if not all(_fresh(self.state[p]) for _, p, _ in active):
+            return False
+        zero = [not bool(_dist.local(p.grad).any()) for _, p, _ in active]
+        sharded = [p for _, p, _ in active if _dist.is_sharded(p)]
+        if sharded:
+            flags = torch.tensor(zero, dtype=torch.float32)
+            group = _dist.group_of(sharded[0])
+            zero = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
+        if not all(zero):
+            return False
+        for _, param, _ in active:
+            self.state[param] = {
+                "step": torch.tensor(0.0),
+                "period": torch.tensor(0, dtype=torch.int64),
+            }
+        return True
+
+    def _layout(self, param: Tensor) -> tuple | None:
+        """(span, shared second-moment blocks, shared momentum blocks) of a sharded
+        parameter with blocks straddling ranks; None when its local shard is a
+        whole number of blocks (then the local step is the single-process one)."""
+        if not _dist.is_sharded(param):
+            return None
+        cache = self.__dict__.setdefault("_layouts", {})
+        key = (id(param), int(self.state[param]["period"]))
+        if key not in cache:
+            state = self.state[param]
+            period = int(state["period"])
+            qblock = int(state["qblock"]) if "qblock" in state else period
+            shared_v = _dist.shared_for(param, period)
+            shared_q = _dist.shared_for(param, qblock) if "qblock" in state else []
+            span = _dist.my_span(param)
+            cache[key] = (span, shared_v, shared_q) if shared_v or shared_q else None
+        return cache[key]
+
+    def _straddling_step(self, items: list[tuple[dict, Tensor, tuple]]) -> None:
+        """Steps sharded parameters whose blocks straddle ranks: local halves
+        around one SUM and one MAX all_reduce for all of them together."""
+        sums, maxes, begun = _dist.SharedReduce(), _dist.SharedReduce(), []
+        for group, param, (span, shared_v, shared_q) in items:
+            state = self.state[param]
+            g, sq, m, amax = begin_step(
+                param.grad.to_local(),
+                state,
+                span,
+                beta1=float(group["betas"][0]),
+                maximize=group["maximize"],
+            )
+            sums.add(sq, span, int(state["period"]), shared_v)
+            if amax is not None:
+                maxes.add(amax, span, int(state["qblock"]), shared_q)
+            begun.append((g, sq, m, amax))
+        process_group = _dist.group_of(items[0][1])
+        sums.run("sum", process_group)
+        maxes.run("max", process_group)
+        for (group, param, (span, _, _)), (g, sq, m, amax) in zip(
+            items, begun, strict=True
+        ):
+            beta1, beta2 = group["betas"]
+            finish_step(
+                param.to_local(),
+                self.state[param],
+                span,
+                g,
+                sq,
+                m,
+                amax,
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+            )
 
 
 def _load_pre_hook(optimizer: Gefen, state_dict: dict) -> dict | None:
@@ -308,11 +461,48 @@ def _load_pre_hook(optimizer: Gefen, state_dict: dict) -> dict | None:
             continue
         group, position, index, bits = where[saved_id]
         param = id_map[saved_id]
-        check_state(state, param, bits, _label(group, position, param, index))
-        pending[param] = state
+        label = _label(group, position, param, index)
+        _checkpoint.check_checkpoint(state, param, bits, group["partition"], label)
+        pending[param] = _checkpoint.from_checkpoint(state, param, bits)
     optimizer._pending_state = pending
     rest = {k: v for k, v in state_dict["state"].items() if k not in id_map}
     return {**state_dict, "state": rest}
+
+
+def _fresh(state: dict) -> bool:
+    """True for a parameter without state or with a provisional one (period 0)."""
+    return not state or int(state["period"]) == 0
+
+
+def _state_dict_post_hook(optimizer: Gefen, state_dict: dict) -> dict:
+    """Puts every parameter's state in the checkpoint layout (``_checkpoint``).
+
+    Under FSDP2 this runs one MAX all_reduce over the concatenated block vectors of
+    all sharded parameters, so every rank must call ``state_dict()`` (DCP does).
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = [g for g in optimizer.param_groups for _ in g["params"]]
+    items = []
+    for index, saved in state_dict["state"].items():
+        if not saved or index >= len(params):
+            continue
+        param, group = params[index], groups[index]
+        vectors = _checkpoint.local_vectors(param, saved, group["partition"])
+        items.append((index, param, group, saved, vectors))
+    sharded = [it for it in items if _dist.is_sharded(it[1])]
+    if sharded:
+        flat = torch.cat([v for it in sharded for v in it[4].values()])
+        flat = _dist.all_reduce(flat, "max", _dist.group_of(sharded[0][1]))
+        pos = 0
+        for it in sharded:
+            for key, value in it[4].items():
+                it[4][key] = flat[pos : pos + value.numel()]
+                pos += value.numel()
+    for index, param, group, saved, vectors in items:
+        state_dict["state"][index] = _checkpoint.to_checkpoint(
+            param, saved, group["momentum_bits"], group["partition"], vectors
+        )
+    return state_dict
 
 
 def _load_post_hook(optimizer: Gefen) -> None:

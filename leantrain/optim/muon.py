@@ -24,6 +24,8 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from . import _checks
+from . import _reducible_partition as _partition
+from ._fused import fused_step
 from ._muon_math import (
     DEFAULT_NS_COEFFICIENTS,
     adjust_lr,
@@ -39,7 +41,6 @@ from ._muon_state import (
     load_pre_hook,
 )
 from ._state import new_state, qblock_for, state_bits
-from ._step import reference_step
 from .quant import NearestCode
 
 __all__ = [
@@ -117,7 +118,8 @@ class GefenMuon(Optimizer):
     into one codebook (learned from the first gradients, like Gefen's) times one
     fp32 absmax per block of the parameter's period. With ``momentum_bits=None`` it
     is ``torch.optim.Muon`` exactly. Other parameters are updated by Gefen's AdamW
-    step (``_step.reference_step``) with the ``adamw_*`` options.
+    step (``_step.reference_step``, run by its fused twin as in Gefen) with the
+    ``adamw_*`` options. Sharded (DTensor) parameters are not supported.
 
     Routing: a group's ``use_muon`` key decides. ``True``: every parameter must be
     2-D. ``False``: an AdamW group; its ``lr``, ``betas``, ``eps`` and
@@ -287,6 +289,11 @@ class GefenMuon(Optimizer):
             for position, param in enumerate(group["params"]):
                 label = _label(group, position, param)
                 _checks.check_param(param, label)
+                if type(param).__name__ == "DTensor":
+                    raise TypeError(
+                        f"GefenMuon: {label} is a sharded DTensor; GefenMuon needs "
+                        "whole tensors (Newton-Schulz works on the full matrix)"
+                    )
                 if group["use_muon"] and param.ndim != 2:
                     raise ValueError(
                         f"GefenMuon: {label} is in a use_muon=True group but Muon "
@@ -305,9 +312,9 @@ class GefenMuon(Optimizer):
             return n
         if partition != "auto":
             return min(int(partition), n)
-        from .partition import choose_period
-
-        return int(choose_period(grad))
+        # Gefen's rule (the reducible twin of partition.choose_period), so a
+        # parameter gets the same period in GefenMuon's AdamW side as in Gefen.
+        return int(_partition.choose_period(grad, tuple(grad.shape)))
 
     def _init_states(self, active: list[tuple[dict, Tensor, str]]) -> None:
         """Creates the state of parameters on their first gradient; learns a codebook
@@ -330,7 +337,7 @@ class GefenMuon(Optimizer):
                 from .codebook import histogram, learn_codebook
 
                 counts = sum(
-                    histogram(p.grad.reshape(-1).float(), qblock_for(periods[p]))
+                    histogram(p.grad.reshape(-1).float(), qblock_for(periods[p])).cpu()
                     for group, p in fresh
                     if group["momentum_bits"] == bits
                 )
@@ -394,7 +401,7 @@ class GefenMuon(Optimizer):
             state = self.state[param]
             if not group["use_muon"]:
                 beta1, beta2 = group["betas"]
-                reference_step(
+                fused_step(
                     param,
                     param.grad,
                     state,

@@ -14,12 +14,17 @@ from leantrain.precond.curv import (
     curvature,
 )
 from leantrain.precond.diagonal_fisher import DiagonalEmpiricalFisherGradientMaker
+from leantrain.precond.ekfac import EkfacGradientMaker
 from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
+from leantrain.precond.kbfgs import KbfgsGradientMaker
+from leantrain.precond.kfac import KfacGradientMaker
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
     PreconditioningConfig,
     is_due,
 )
+from leantrain.precond.psgd import PsgdGradientMaker
+from leantrain.precond.shampoo import ShampooGradientMaker
 from leantrain.precond.stand_in import StandIn
 
 __all__ = [
@@ -27,11 +32,16 @@ __all__ = [
     "SHAPES",
     "Curvature",
     "DiagonalEmpiricalFisherGradientMaker",
+    "EkfacGradientMaker",
     "GradientMaker",
+    "KbfgsGradientMaker",
+    "KfacGradientMaker",
     "KronFactor",
     "ModuleCurvature",
     "PreconditionedGradientMaker",
     "PreconditioningConfig",
+    "PsgdGradientMaker",
+    "ShampooGradientMaker",
     "StandIn",
     "curvature",
     "is_due",

@@ -225,7 +225,7 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
             old = before.get(name)
             if old is None or "g_sum" not in rec or "g_sum" not in old:
                 continue
-            w = read_weight(self.ops[name])
+            w = _read_weight(self.ops[name])
             s = w @ rec["a_mean"] - self._weight_before(name) @ old["a_mean"]
             y = rec["g_sum"] - old["g_sum"]
             h = self.h_inverse.get(name)
@@ -296,7 +296,7 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         self.bfgs_updates = int(state["bfgs_updates"])
 
 
-def read_weight(op: Any) -> Tensor:
+def _read_weight(op: Any) -> Tensor:
     """``[W, b]`` of a Linear / Conv2d op as a ``(R, U)`` matrix (current values)."""
     w = op.params[0].detach().reshape(op.params[0].shape[0], -1)
     if len(op.params) == 2:

@@ -175,19 +175,20 @@ class KfacGradientMaker(KronFactorMaker):
                 u = inv["unit"].to(dtype)
                 write_canonical(op, torch.einsum("ruv,rv->ru", u, g))
                 continue
-            out = torch.empty_like(g)
-            for i, rows in enumerate(self.factors[name]["rows"]):
-                gs = g[rows]
-                if self.damping_mode == "exact":
-                    (la, qa), (lb, qb) = inv["A"][i], inv["B"][i]
-                    inner = qb.T.to(dtype) @ gs @ qa.to(dtype)
-                    scale = lb.unsqueeze(1) * la.unsqueeze(0) + lam
-                    out[rows] = (
-                        qb.to(dtype) @ (inner / scale.to(dtype)) @ qa.T.to(dtype)
-                    )
-                else:
-                    out[rows] = inv["B"][i].to(dtype) @ gs @ inv["A"][i].to(dtype)
+            rows = self.factors[name]["rows"]
+            parts = [self._apply(inv, i, g[sl], lam) for i, sl in enumerate(rows)]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)  # sites: row blocks
             write_canonical(op, out)
+
+    def _apply(self, inv: dict[str, Any], i: int, g: Tensor, lam: float) -> Tensor:
+        """Preconditioned rows of site ``i``: two matmuls (four for ``"exact"``)."""
+        dtype = g.dtype
+        if self.damping_mode == "exact":
+            (la, qa), (lb, qb) = inv["A"][i], inv["B"][i]
+            inner = qb.T.to(dtype) @ g @ qa.to(dtype)
+            scale = (lb.unsqueeze(1) * la.unsqueeze(0) + lam).to(dtype)
+            return qb.to(dtype) @ (inner / scale) @ qa.T.to(dtype)
+        return inv["B"][i].to(dtype) @ g @ inv["A"][i].to(dtype)
 
     # -- state ------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:

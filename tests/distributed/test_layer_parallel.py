@@ -132,6 +132,21 @@ def _parity_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     ref = LayerParallel(copy.deepcopy(blocks), chunks=world).serial()
     par = LayerParallel(blocks).distribute().serial()
     results["serial"] = _compare(rank, world, ref, par, x, w)
+
+    # after one optimizer step on own layers, synchronize_layers gives every rank
+    # the owners' weights (a full checkpoint on any rank)
+    with torch.no_grad():
+        for n in par.owned_layers:
+            for p in par.steps[n].parameters():
+                p.add_(float(n + 1))
+    expect = [
+        p.detach().clone() + float(n + 1)
+        for n, s in enumerate(blocks)
+        for p in ref.steps[n].parameters()
+    ]
+    par.synchronize_layers()
+    got = [p.detach() for p in par.parameters()]
+    results["synchronized"] = {"params": _diff(expect, got)}
     return results
 
 

@@ -270,15 +270,20 @@ def test_torch_long_blocks_match_whole_blocks(monkeypatch):
         assert ulps(p1, p2, torch.maximum(p1.abs(), (p1 - param).abs())) <= 2
 
 
-def test_low_precision_and_strided_params_use_the_fallback():
-    """bf16 parameters and strided views take the fallback; same result."""
+def test_low_precision_and_strided_params_match_the_reference(backend):
+    """bf16 and fp16 parameters rounded to nearest, and strided views (the
+    fallback): the reference's result."""
     n, period = 1200, 40
-    for param in [torch.randn(n).bfloat16(), torch.randn(2 * n).view(n, 2)[:, 0]]:
+    for param in [
+        torch.randn(n).bfloat16(),
+        torch.randn(n).half(),
+        torch.randn(2 * n).view(n, 2)[:, 0],
+    ]:
         state = random_state(n, period, 8, seed=5)
         grad = torch.randn(n, dtype=param.dtype).view(param.shape)
         mine, ref = copy_state(state), copy_state(state)
         p_mine, p_ref = param.clone(), param.clone()
-        _fused.fused_step(p_mine, grad, mine, **HYPER)
+        _fused.fused_step(p_mine, grad, mine, **HYPER, stochastic_rounding=False)
         reference_step(p_ref, grad, ref, **HYPER)
         assert torch.equal(codes_of(mine, n), codes_of(ref, n))
         torch.testing.assert_close(p_mine.float(), p_ref.float(), rtol=1e-5, atol=1e-6)
@@ -446,3 +451,60 @@ def test_gefen_trains_the_same_with_the_fused_step(backend, bits, monkeypatch):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     for p, q in zip(params, ref_params, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def unpack(state: dict, n: int, shape) -> dict:
+    """The same 4-bit state with one code per byte, shaped like the parameter."""
+    out = copy_state(state)
+    out["exp_avg_codes"] = codes_of(state, n).to(torch.uint8).view(shape).clone()
+    return out
+
+
+@pytest.mark.parametrize("shape,period", [((37, 31), 31), ((64, 10), 1), ((7,), 7)])
+def test_unpacked_and_shaped_codes_give_the_same_step(backend, shape, period):
+    """4-bit codes stored one per byte (odd last dim, 1-D) or packed along an even
+    last dim, 8-bit codes in the parameter's shape: the flat order is the same, so
+    the step is the same as with flat packed codes."""
+    n = math.prod(shape)
+    for bits in (4, 8):
+        state = random_state(n, period, bits, seed=n)
+        param, grad = torch.randn(shape), torch.randn(shape)
+        variants = {"flat": copy_state(state)}
+        if bits == 4:
+            variants["unpacked"] = unpack(state, n, shape)
+            if shape[-1] % 2 == 0:
+                packed = copy_state(state)
+                rows = (*shape[:-1], shape[-1] // 2)
+                packed["exp_avg_codes"] = packed["exp_avg_codes"].view(rows).clone()
+                variants["packed, shaped"] = packed
+        else:
+            shaped = copy_state(state)
+            shaped["exp_avg_codes"] = shaped["exp_avg_codes"].view(shape).clone()
+            variants["shaped"] = shaped
+        results = {}
+        for name, st in variants.items():
+            p = param.clone()
+            _fused.fused_step(p, grad, st, **HYPER)
+            results[name] = (p, codes_of_any(st, n))
+        p0, c0 = results["flat"]
+        for name, (p, c) in results.items():
+            assert torch.equal(p, p0), name
+            assert torch.equal(c, c0), name
+        if bits == 4:  # unpacked storage keeps one code per byte, high nibble 0
+            raw = variants["unpacked"]["exp_avg_codes"]
+            assert raw.shape == shape and int(raw.max()) < 16
+
+
+def codes_of_any(state: dict, n: int) -> torch.Tensor:
+    raw = state["exp_avg_codes"].reshape(-1)
+    if state["codebook"].numel() == 256 or raw.numel() == n:
+        return raw.clone()
+    return torch.stack([raw & 15, raw >> 4], dim=1).reshape(-1)[:n]
+
+
+def test_codes_of_the_wrong_size_are_rejected():
+    n = 10
+    state = random_state(n, 5, 4, seed=0)
+    state["exp_avg_codes"] = torch.zeros(7, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="needs 5 or 10"):
+        _fused.fused_step(torch.randn(n), torch.randn(n), state, **HYPER)

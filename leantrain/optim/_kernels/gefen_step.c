@@ -73,6 +73,7 @@ typedef struct {
   int32_t ncodes;        /* 2**bits */
   int32_t nuniq;
   int32_t ncell;
+  int32_t steps;         /* the most midpoints any one cell holds */
 } lt_quantizer;
 
 typedef struct {
@@ -86,18 +87,92 @@ typedef struct {
   float sign;      /* +1, or -1 when maximizing */
 } lt_hyper;
 
+typedef struct {
+  int32_t param_bf16; /* the parameter is bf16 (else fp32) */
+  int32_t grad_bf16;  /* the gradient is bf16 (else fp32) */
+  int32_t packed;     /* 4-bit codes two per byte (else one code per byte) */
+  int32_t stochastic; /* bf16 parameter written with stochastic rounding */
+  uint64_t key;       /* the rounding key (leantrain.optim.precision) */
+} lt_io;
+
 typedef struct { /* per-thread buffers of `chunk` elements */
   float *m;      /* momentum, then m / absmax */
   float *val;    /* the quantized value of each element */
   int32_t *cell; /* lookup cell of each element */
   uint8_t *code; /* new codes */
+  float *g;      /* the gradient in fp32 (bf16 gradients only) */
+  float *p;      /* the parameter in fp32 (bf16 parameters only) */
 } lt_scratch;
+
+/* ---- bf16 <-> fp32 and rounding (see leantrain/optim/precision.py) ---- */
+static inline float lt_bf16_to_float(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* Round to nearest, ties to even (torch's conversion); NaN stays a quiet NaN. */
+static inline uint16_t lt_float_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* MurmurHash3's 32-bit finalizer. */
+static inline uint32_t lt_fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+
+/* Stochastic rounding of f to bf16 with 32 random bits r: away from zero iff
+   r < frac * 2^32, frac = (low 16 bits) / 2^16; never to infinity (saturates);
+   NaN and infinities as the nearest conversion. */
+static inline uint16_t lt_float_to_bf16_sr(float f, uint32_t r) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  const uint32_t mag = u & 0x7fffffffu;
+  if (mag >= 0x7f800000u) return lt_float_to_bf16(f);
+  const uint32_t a = mag >> 16, low = mag & 0xffffu;
+  const uint32_t away = (a < 0x7f7fu) & ((r >> 16) < low);
+  return (uint16_t)(((u >> 16) & 0x8000u) | (a + away));
+}
+
+static void lt_load(const void *src, int bf16, int64_t a, int64_t len, float *restrict out) {
+  if (!bf16) {
+    memcpy(out, (const float *)src + a, (size_t)len * sizeof(float));
+    return;
+  }
+  const uint16_t *restrict h = (const uint16_t *)src + a;
+  for (int64_t k = 0; k < len; k++) out[k] = lt_bf16_to_float(h[k]);
+}
+
+/* Writes fp32 values of elements [a, a + len) into a bf16 parameter. */
+static void lt_store_bf16(uint16_t *restrict dst, const float *restrict src, int64_t a,
+                          int64_t len, const lt_io *io) {
+  uint16_t *restrict h = dst + a;
+  if (!io->stochastic) {
+    for (int64_t k = 0; k < len; k++) h[k] = lt_float_to_bf16(src[k]);
+    return;
+  }
+  const uint32_t k_lo = (uint32_t)io->key, k_hi = (uint32_t)(io->key >> 32);
+  for (int64_t k = 0; k < len; k++) {
+    const uint64_t i = (uint64_t)(a + k);
+    const uint32_t r = lt_fmix32(lt_fmix32((uint32_t)i ^ k_lo) ^ (uint32_t)(i >> 32) ^ k_hi);
+    h[k] = lt_float_to_bf16_sr(src[k], r);
+  }
+}
 
 /* Old codes of [a, a + len) looked up in the codebook (scalar: see header). */
 LT_SCALAR static void lt_take_codebook(const float *restrict cb,
-                                       const uint8_t *restrict codes, int bits,
+                                       const uint8_t *restrict codes, int packed,
                                        int64_t a, int64_t len, float *restrict out) {
-  if (bits == 8) {
+  if (!packed) {
     const uint8_t *restrict c = codes + a;
     for (int64_t k = 0; k < len; k++) out[k] = cb[c[k]];
   } else {
@@ -108,18 +183,18 @@ LT_SCALAR static void lt_take_codebook(const float *restrict cb,
   }
 }
 
-/* m over [a, a + len) into m_out; returns sum(g^2) from 8 double sums (vectorizes).
-   lerp is torch's: fma(w, b - a, a) for w < 0.5, else fma(w - 1, b - a, b). */
-static double lt_momentum(const float *restrict grad, const uint8_t *restrict codes,
-                          const float *restrict mom, int bits,
+/* m over [a, a + len) into m_out (g: the gradient of those elements); returns
+   sum(g^2) from 8 double sums (vectorizes). lerp is torch's: fma(w, b - a, a) for
+   w < 0.5, else fma(w - 1, b - a, b). */
+static double lt_momentum(const float *restrict g, const uint8_t *restrict codes,
+                          const float *restrict mom, int bits, int packed,
                           const float *restrict cb, float amax_old, const lt_hyper *h,
                           int64_t a, int64_t len, float *restrict m_out) {
-  const float *restrict g = grad + a;
   const float sign = h->sign;
   const int small = h->w1 < 0.5f;
   const float wc = small ? h->w1 : h->w1 - 1.0f;
   if (bits) {
-    lt_take_codebook(cb, codes, bits, a, len, m_out);
+    lt_take_codebook(cb, codes, packed, a, len, m_out);
     for (int64_t k = 0; k < len; k++) {
       float old = m_out[k] * amax_old, gk = g[k] * sign;
       m_out[k] = fmaf(wc, gk - old, small ? old : gk);
@@ -156,47 +231,33 @@ static float lt_absmax(const float *restrict m, int64_t len) {
   return out;
 }
 
-/* x = m / amax (in place) and its lookup cell; NaN -> cell 0 (never out of range). */
-static void lt_cells(const lt_quantizer *q, float *restrict m, float amax, int64_t len,
-                     int32_t *restrict cell) {
-  const float half = 0.5f * (float)q->ncell, top = (float)(q->ncell - 1);
-  for (int64_t k = 0; k < len; k++) {
-    float x = m[k] / amax;
-    float t = (x + 1.0f) * half;
-    t = t >= 0.0f ? t : 0.0f;
-    t = t <= top ? t : top;
-    m[k] = x;
-    cell[k] = (int32_t)t;
-  }
-}
-
-/* Nearest value and code of each x (scalar: see header). */
-LT_SCALAR static void lt_lookup(const lt_quantizer *q, const float *restrict x,
-                                const int32_t *restrict cell, int64_t len,
-                                float *restrict val, uint8_t *restrict code) {
+/* Nearest value and code of each m / amax, branch-free: the cell's table entry
+   gives the number j of midpoints in lower cells (stored bitwise-NOT'ed when the
+   cell holds midpoints: j ^ (j >> 15) undoes that without a branch), then
+   `steps` comparisons j += x > mid[j] (steps = the most midpoints in one cell, 1 for
+   a learned codebook) count the cell's own midpoints below x. Midpoints of higher
+   cells are above x, and mid[nuniq - 1] = +inf stops j (NaN compares false). The
+   loop has no data-dependent branch: a mispredicted one per cell holding a
+   midpoint cost more than the whole lookup. */
+LT_SCALAR static void lt_quantize(const lt_quantizer *q, const float *restrict m,
+                                  float amax, int64_t len, float *restrict val,
+                                  uint8_t *restrict code) {
   const int16_t *restrict lut = q->lut;
   const float *restrict mid = q->mid, *restrict uniq = q->uniq;
   const uint8_t *restrict first = q->first;
-  if (q->nuniq == q->ncodes) { /* distinct codes (the usual case): code == index */
-    for (int64_t k = 0; k < len; k++) {
-      int32_t j = lut[cell[k]];
-      if (j < 0) { /* the cell holds midpoints: count those below x */
-        j = ~j;
-        while (x[k] > mid[j]) j++; /* stops at the +inf sentinel (and on NaN) */
-      }
-      val[k] = uniq[j];
-      code[k] = (uint8_t)j;
-    }
-    return;
-  }
+  const float half = 0.5f * (float)q->ncell, top = (float)(q->ncell - 1);
+  const int32_t steps = q->steps;
+  const int distinct = q->nuniq == q->ncodes;
   for (int64_t k = 0; k < len; k++) {
-    int32_t j = lut[cell[k]];
-    if (j < 0) {
-      j = ~j;
-      while (x[k] > mid[j]) j++;
-    }
+    const float x = m[k] / amax;
+    float t = (x + 1.0f) * half;
+    t = t >= 0.0f ? t : 0.0f; /* NaN -> cell 0 (never out of range) */
+    t = t <= top ? t : top;
+    int32_t j = lut[(int32_t)t];
+    j ^= j >> 15;
+    for (int32_t s = 0; s < steps; s++) j += x > mid[j];
     val[k] = uniq[j];
-    code[k] = first[j];
+    code[k] = distinct ? (uint8_t)j : first[j];
   }
 }
 
@@ -234,9 +295,9 @@ static int32_t lt_zero_index(const lt_quantizer *q) {
   return j;
 }
 
-static void lt_store_codes(uint8_t *restrict codes, int bits, int64_t n, int64_t a,
+static void lt_store_codes(uint8_t *restrict codes, int packed, int64_t n, int64_t a,
                            int64_t len, const uint8_t *restrict code) {
-  if (bits == 8) {
+  if (!packed) {
     memcpy(codes + a, code, (size_t)len);
     return;
   }
@@ -257,11 +318,11 @@ static void lt_store_codes(uint8_t *restrict codes, int bits, int64_t n, int64_t
   }
 }
 
-/* p = p * decay - (step_size * m) / denom over [a, a + len), m = scale * val. */
-static void lt_update(float *restrict param, const float *restrict val, float scale,
+/* p = p * decay - (step_size * m) / denom over len elements, m = scale * val
+   (p, vel: those elements of the parameter in fp32 and, with period 1, of v). */
+static void lt_update(float *restrict p, const float *restrict val, float scale,
                       const float *restrict vel, float denom_block, const lt_hyper *h,
-                      int64_t a, int64_t len) {
-  float *restrict p = param + a;
+                      int64_t len) {
   const float ss = h->step_size, decay = h->decay;
   if (vel == 0) {
     for (int64_t k = 0; k < len; k++) {
@@ -269,7 +330,7 @@ static void lt_update(float *restrict param, const float *restrict val, float sc
       p[k] = w - (ss * (val[k] * scale)) / denom_block;
     }
   } else { /* period 1: one second moment per element */
-    const float *restrict v = vel + a;
+    const float *restrict v = vel;
     for (int64_t k = 0; k < len; k++) {
       float denom = sqrtf(v[k]) / h->sqrt_bc2 + h->eps;
       float w = p[k] * decay;
@@ -279,24 +340,30 @@ static void lt_update(float *restrict param, const float *restrict val, float sc
 }
 
 /* One block [s, s + len): both passes. */
-static void lt_block(float *restrict param, const float *restrict grad, float *restrict v,
+static void lt_block(void *param, const void *grad, float *restrict v,
                      float *restrict absmax, uint8_t *restrict codes,
                      float *restrict exp_avg, int64_t n, int64_t b, int64_t s,
                      int64_t len, int per_element_v, int bits, const lt_quantizer *q,
-                     const lt_hyper *h, int64_t chunk, int32_t zero, lt_scratch *w) {
+                     const lt_hyper *h, const lt_io *io, int64_t chunk, int32_t zero,
+                     lt_scratch *w) {
   const float *cb = bits ? q->codebook : 0;
   const float amax_old = bits ? absmax[b] : 0.0f;
+  const int packed = bits == 4 && io->packed;
   double sumsq = 0.0;
   float amax = 0.0f;
   for (int64_t a = 0; a < len; a += chunk) { /* pass 1 */
     const int64_t l = len - a < chunk ? len - a : chunk;
-    sumsq += lt_momentum(grad, codes, exp_avg, bits, cb, amax_old, h, s + a, l, w->m);
+    const float *g = (const float *)grad + s + a;
+    if (io->grad_bf16) {
+      lt_load(grad, 1, s + a, l, w->g);
+      g = w->g;
+    }
+    sumsq += lt_momentum(g, codes, exp_avg, bits, packed, cb, amax_old, h, s + a, l, w->m);
     if (bits) {
       float mx = lt_absmax(w->m, l);
       amax = mx > amax || mx != mx ? mx : amax;
     }
     if (per_element_v) {
-      const float *restrict g = grad + s + a;
       float *restrict vv = v + s + a;
       for (int64_t k = 0; k < l; k++) vv[k] = fmaf(h->omb2, g[k] * g[k], vv[k] * h->beta2);
     }
@@ -309,37 +376,52 @@ static void lt_block(float *restrict param, const float *restrict grad, float *r
     denom = sqrtf(vb) / h->sqrt_bc2 + h->eps;
   }
   if (bits) absmax[b] = amax;
-  const float *vel = per_element_v ? v : 0;
+  const float *vel = per_element_v ? v + s : 0;
   for (int64_t a = 0; a < len; a += chunk) { /* pass 2 */
     const int64_t l = len - a < chunk ? len - a : chunk;
-    if (len > chunk) /* the buffer holds the last sub-chunk only: recompute */
-      lt_momentum(grad, codes, exp_avg, bits, cb, amax_old, h, s + a, l, w->m);
+    if (len > chunk) { /* the buffer holds the last sub-chunk only: recompute */
+      const float *g = (const float *)grad + s + a;
+      if (io->grad_bf16) {
+        lt_load(grad, 1, s + a, l, w->g);
+        g = w->g;
+      }
+      lt_momentum(g, codes, exp_avg, bits, packed, cb, amax_old, h, s + a, l, w->m);
+    }
+    float *p = (float *)param + s + a;
+    if (io->param_bf16) {
+      lt_load(param, 1, s + a, l, w->p);
+      p = w->p;
+    }
+    const float *ve = vel ? vel + a : 0;
     if (!bits) {
       memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
-      lt_update(param, w->m, 1.0f, vel, denom, h, s + a, l);
-      continue;
-    }
-    if (amax > 0.0f && bits == 4) {
-      lt_lookup16(q, w->m, amax, l, w->val, w->code);
-    } else if (amax > 0.0f) {
-      lt_cells(q, w->m, amax, l, w->cell);
-      lt_lookup(q, w->m, w->cell, l, w->val, w->code);
+      lt_update(p, w->m, 1.0f, ve, denom, h, l);
     } else {
-      for (int64_t k = 0; k < l; k++) {
-        w->val[k] = q->uniq[zero];
-        w->code[k] = q->first[zero];
+      if (amax > 0.0f && bits == 4) {
+        lt_lookup16(q, w->m, amax, l, w->val, w->code);
+      } else if (amax > 0.0f) {
+        lt_quantize(q, w->m, amax, l, w->val, w->code);
+      } else {
+        for (int64_t k = 0; k < l; k++) {
+          w->val[k] = q->uniq[zero];
+          w->code[k] = q->first[zero];
+        }
       }
+      if (bits == 8 || !packed)
+        memcpy(codes + s + a, w->code, (size_t)l);
+      else
+        lt_store_codes(codes, 1, n, s + a, l, w->code);
+      lt_update(p, w->val, amax, ve, denom, h, l);
     }
-    lt_store_codes(codes, bits, n, s + a, l, w->code);
-    lt_update(param, w->val, amax, vel, denom, h, s + a, l);
+    if (io->param_bf16) lt_store_bf16((uint16_t *)param, w->p, s + a, l, io);
   }
 }
 
 /* Returns 0, or a negative number naming the invalid argument. */
-int lt_gefen_step(float *param, const float *grad, float *v, float *absmax, uint8_t *codes,
+int lt_gefen_step(void *param, const void *grad, float *v, float *absmax, uint8_t *codes,
                   float *exp_avg, int64_t n, int64_t period, int64_t block, int32_t bits,
-                  const lt_quantizer *q, const lt_hyper *h, int64_t chunk,
-                  int32_t nthreads) {
+                  const lt_quantizer *q, const lt_hyper *h, const lt_io *io,
+                  int64_t chunk, int32_t nthreads) {
   if (n < 0 || period < 1 || block < 1) return -1;
   if (bits != 0 && bits != 4 && bits != 8) return -2;
   if (period != block && period != 1) return -3;
@@ -347,20 +429,21 @@ int lt_gefen_step(float *param, const float *grad, float *v, float *absmax, uint
                     q->nuniq > q->ncodes || q->ncell < 1))
     return -4;
   if (chunk < 1 || chunk > LT_MAX_CHUNK) return -5;
+  if (io == 0) return -7;
   if (nthreads < 1) nthreads = 1;
   if (n == 0) return 0;
   const int per_element_v = period == 1;
   const int64_t nblocks = (n + block - 1) / block;
-  /* With 4-bit codes, a block of odd length can start in the middle of a byte;
-     threads then take pairs of blocks, so no byte is written by two threads. */
-  const int64_t unit = (bits == 4 && (block & 1)) ? 2 : 1;
+  /* With packed 4-bit codes, a block of odd length can start in the middle of a
+     byte; threads then take pairs of blocks, so no byte is written by two threads. */
+  const int64_t unit = (bits == 4 && io->packed && (block & 1)) ? 2 : 1;
   const int64_t nunits = (nblocks + unit - 1) / unit;
   const int32_t zero = bits ? lt_zero_index(q) : 0;
   /* One allocation up front: a failure leaves every tensor untouched. */
   const int nt = nthreads > 1 && nunits > 1 ? nthreads : 1;
   /* Buffers staggered by a few cache lines: equal offsets modulo 4 KiB between a
      loaded and a stored stream make the CPU stall on false store-load aliasing. */
-  const size_t c = (size_t)chunk, gap = 320, per = (c * 13 + 4 * gap + 63) / 64 * 64;
+  const size_t c = (size_t)chunk, gap = 320, per = (c * 21 + 6 * gap + 63) / 64 * 64;
   char *arena = malloc(per * (size_t)nt);
   const int64_t grab = 16384 / (unit * block) > 1 ? 16384 / (unit * block) : 1;
   if (arena == 0) return -6;
@@ -372,8 +455,12 @@ int lt_gefen_step(float *param, const float *grad, float *v, float *absmax, uint
     tid = omp_get_thread_num();
 #endif
     char *base = arena + per * (size_t)tid;
-    lt_scratch w = {(float *)base, (float *)(base + 4 * c + gap),
-                    (int32_t *)(base + 8 * c + 2 * gap), (uint8_t *)(base + 12 * c + 3 * gap)};
+    lt_scratch w = {(float *)base,
+                    (float *)(base + 4 * c + gap),
+                    (int32_t *)(base + 8 * c + 2 * gap),
+                    (uint8_t *)(base + 12 * c + 3 * gap),
+                    (float *)(base + 13 * c + 4 * gap),
+                    (float *)(base + 17 * c + 5 * gap)};
     /* Dynamic, in grabs of ~16K elements: a thread that is descheduled (a shared
        machine) holds up one grab, not a fixed half of the tensor. Blocks are
        independent, so the result does not depend on who takes which. */
@@ -384,7 +471,7 @@ int lt_gefen_step(float *param, const float *grad, float *v, float *absmax, uint
         const int64_t s = b * block;
         const int64_t len = s + block <= n ? block : n - s;
         lt_block(param, grad, v, absmax, codes, exp_avg, n, b, s, len, per_element_v,
-                 bits, q, h, chunk, zero, &w);
+                 bits, q, h, io, chunk, zero, &w);
       }
     }
   }
@@ -395,4 +482,5 @@ int lt_gefen_step(float *param, const float *grad, float *v, float *absmax, uint
 /* Let Python check the struct layouts and the buffer limit of the library it loaded. */
 int lt_sizeof_quantizer(void) { return (int)sizeof(lt_quantizer); }
 int lt_sizeof_hyper(void) { return (int)sizeof(lt_hyper); }
+int lt_sizeof_io(void) { return (int)sizeof(lt_io); }
 int lt_max_chunk(void) { return LT_MAX_CHUNK; }

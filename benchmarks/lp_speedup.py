@@ -1,0 +1,299 @@
+"""Layer-parallel speedup: 2 processes x 1 thread vs 1 process x 1 thread, and the
+simulator's prediction of it; then a simulator table for N = 128 BERT-size blocks.
+
+Part 1 (measured). A stack of N = 64 pre-LN causal GPT blocks (d_model 256, 4 heads,
+batch 8, 64 tokens, fp32) trained one step forward+backward:
+
+* serial: one process, one thread, plain autograd (``LayerParallel.serial()``);
+* layer-parallel: two gloo processes, one thread each, L = 2, cf = 4, one forward
+  iteration with the skipped down-cycle, one adjoint iteration (F-C relaxation).
+
+Both run inside the same two spawned processes, interleaved round by round (a
+parallel step on both, then a serial step on rank 0 while rank 1 waits, then layer
+samples on both), so all of them see the same machine load; each time is the median
+of ``--repeats`` rounds after one warm-up. The per-layer step times (forward without /
+with graph, VJP without / with parameters, measured while both processes are busy)
+and the message cost (latency from 8-byte ping-pongs, bandwidth from 4 MB ones) are
+fed to ``leantrain.layer_parallel.simulate`` to predict the 2-process step.
+
+Part 2 (projected). ``simulate`` for N = 128 BERT-base blocks (d 768, 12 heads, 128
+tokens, batch 1, fp32; layer times measured here on one thread), P = 2..64, L = 2-3,
+cf = 2-8, forward 1 cycle (skip) and adjoint 1 cycle, under two communication models:
+the gloo loopback measured in part 1, and a GPU interconnect (10 us, 25 GB/s).
+
+Run: ``python benchmarks/lp_speedup.py`` (a few minutes on 2 quiet cores);
+``--quick`` uses N = 16 and d = 64 for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from leantrain.layer_parallel import LayerParallel
+from leantrain.layer_parallel.simulate import CommModel, LayerTimes, simulate
+from leantrain.models.blocks import TransformerBlock
+
+
+def _blocks(n: int, d: int, heads: int, causal: bool = True) -> list[TransformerBlock]:
+    torch.manual_seed(0)
+    return [TransformerBlock(d, heads, causal=causal) for _ in range(n)]
+
+
+class _LayerSampler:
+    """One sample per call of the four kinds of layer step the solver performs."""
+
+    def __init__(self, block: torch.nn.Module, x: torch.Tensor, dt: float) -> None:
+        self.block, self.x, self.dt = block, x, dt
+        self.params = list(block.parameters())
+        self.samples: list[tuple[float, float, float, float]] = []
+
+    def __call__(self) -> None:
+        block, x, dt = self.block, self.x, self.dt
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            block(x, dt)
+        t1 = time.perf_counter()
+        xi = x.detach().requires_grad_()
+        y = block(xi, dt)
+        t2 = time.perf_counter()
+        w = torch.ones_like(y)
+        torch.autograd.grad(y, xi, w, retain_graph=True)
+        t3 = time.perf_counter()
+        torch.autograd.grad(y, [xi, *self.params], w)
+        t4 = time.perf_counter()
+        self.samples.append((t1 - t0, t3 - t2, t2 - t1, t4 - t3))
+
+    def times(self) -> LayerTimes:
+        f, b, fr, bp = (statistics.median(c) for c in zip(*self.samples, strict=True))
+        return LayerTimes(forward=f, backward=b, forward_record=fr, backward_params=bp)
+
+
+def layer_times(block: torch.nn.Module, x: torch.Tensor, dt: float, reps: int):
+    """Median seconds of the four kinds of layer step (after one warm-up)."""
+    sampler = _LayerSampler(block, x, dt)
+    for _ in range(reps + 1):
+        sampler()
+    sampler.samples = sampler.samples[1:]
+    return sampler.times()
+
+
+def _step(stack, x, w) -> None:
+    xi = x.detach().requires_grad_()
+    (stack(xi) * w).sum().backward()
+    stack.zero_grad(set_to_none=True)
+
+
+def _ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
+    # Half of the median round trip: one message.
+    def round_trip():
+        if first:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+
+    times = []
+    round_trip()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        round_trip()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / 2
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _worker(rank, world, port, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1200)
+    )
+    try:
+        n, d = args.n, args.d
+        blocks = _blocks(n, d, args.heads)
+        serial = LayerParallel(blocks, cf=4).serial() if rank == 0 else None
+        stack = LayerParallel(
+            _blocks(n, d, args.heads), cf=4, levels=2, fwd_iters=1, bwd_iters=1
+        ).distribute()
+        torch.manual_seed(1)
+        x = torch.randn(args.batch, args.tokens, d)
+        w = torch.randn_like(x)
+        sampler = _LayerSampler(stack.steps[stack.owned_layers[0]], x, 1 / n)
+        par_t, ser_t = [], []
+        # Interleaved, so that the serial step, the parallel step and the layer
+        # times all see the same (possibly busy) machine; round 0 is a warm-up.
+        for _ in range(args.repeats + 1):
+            dist.barrier()
+            par_t.append(_timed(lambda: _step(stack, x, w)))
+            dist.barrier()
+            if rank == 0:  # the other process waits in the barrier (idle)
+                ser_t.append(_timed(lambda: _step(serial, x, w)))
+            dist.barrier()
+            for _ in range(max(1, args.layer_reps // args.repeats)):
+                sampler()
+        par = torch.tensor([statistics.median(par_t[1:])])
+        dist.all_reduce(par, op=dist.ReduceOp.MAX)
+        lat = _ping(1 - rank, torch.zeros(2), rank == 0, 20)
+        # bandwidth from a message of at least 4 MB: small ones are all latency
+        big = torch.zeros(max(x.numel(), 1 << 20))
+        big_t = _ping(1 - rank, big, rank == 0, 5)
+        if rank == 0:
+            sampler.samples = sampler.samples[1:]
+            queue.put(
+                (
+                    par.item(),
+                    statistics.median(ser_t[1:]),
+                    lat,
+                    big_t,
+                    big.numel() * 4,
+                    x.numel() * 4,
+                    sampler.times(),
+                )
+            )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measured(args) -> CommModel:
+    n, d = args.n, args.d
+    print(
+        f"\n## Measured: N={n} GPT blocks d={d}, {args.heads} heads, batch "
+        f"{args.batch}, {args.tokens} tokens, fp32, L=2, cf=4, 1 fwd (skip) / 1 bwd"
+    )
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    par, serial, lat, big_t, big_bytes, nbytes, lt = queue.get(timeout=7200)
+    for p in procs:
+        p.join()
+    bandwidth = big_bytes / max(big_t - lat, big_t / 2)
+    comm = CommModel(latency=lat, bandwidth=bandwidth)
+    pred = simulate(
+        n, 2, lt, cf=4, fwd_iters=1, bwd_iters=1, comm=comm, state_bytes=nbytes
+    )
+    print("| quantity | value |\n|---|---|")
+    rows = [
+        (
+            "layer fwd / fwd+graph / vjp / vjp+params, in the 2-process run (ms)",
+            _ms(lt),
+        ),
+        (
+            "message latency (us) / bandwidth (MB/s)",
+            f"{lat * 1e6:.0f} / {bandwidth / 1e6:.0f}",
+        ),
+        ("serial step, 1 process x 1 thread (s, median)", f"{serial:.3f}"),
+        ("layer-parallel step, 2 processes x 1 thread (s, median)", f"{par:.3f}"),
+        ("measured speedup", f"{serial / par:.2f}x"),
+        ("simulated 2-process step (s)", f"{pred.step:.3f}"),
+        ("simulated / measured 2-process step", f"{pred.step / par:.2f}"),
+        ("simulated speedup (serial = N x layer times)", f"{pred.speedup:.2f}x"),
+        ("ideal model speedup (unit layers, free comm)", f"{_ideal(n):.2f}x"),
+    ]
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    return comm
+
+
+def _ideal(n: int) -> float:
+    return simulate(n, 2, LayerTimes(1.0, 1.0), cf=4, fwd_iters=1).speedup
+
+
+def _ms(t: LayerTimes) -> str:
+    parts = (t.forward, t.forward_record, t.backward, t.backward_params)
+    return " / ".join(f"{v * 1e3:.1f}" for v in parts)
+
+
+def table(gloo: CommModel, args) -> None:
+    d, heads, tokens = (768, 12, 128) if not args.quick else (64, 4, 16)
+    torch.manual_seed(0)
+    block = TransformerBlock(d, heads)
+    x = torch.randn(1, tokens, d)
+    lt = layer_times(block, x, 1 / 128, args.layer_reps)
+    nbytes = x.numel() * 4
+    print(
+        f"\n## Simulated speedup over serial, N=128 BERT blocks (d={d}, {heads} "
+        f"heads, {tokens} tokens, batch 1; layer ms {_ms(lt)}), 1 fwd / 1 bwd cycle"
+    )
+    loopback = f"{gloo.latency * 1e6:.0f} us, {gloo.bandwidth / 1e6:.0f} MB/s"
+    models = {
+        f"gloo loopback as measured ({loopback})": gloo,
+        "GPU interconnect (10 us, 25 GB/s)": CommModel(1e-5, 25e9),
+    }
+    ps = [2, 4, 8, 16, 32, 64]
+    for name, comm in models.items():
+        print(
+            f"\n### {name}  (**bold**: layer-parallel beats serial; -: N/P not a "
+            "multiple of cf^(L-1))"
+        )
+        print("| L | cf | " + " | ".join(f"P={p}" for p in ps) + " |")
+        print("|---|---|" + "---|" * len(ps))
+        for levels in (2, 3):
+            for cf in (2, 4, 8):
+                cells = []
+                for p in ps:
+                    if (128 // p) % cf ** (levels - 1):
+                        cells.append("-")
+                        continue
+                    s = simulate(
+                        128,
+                        p,
+                        lt,
+                        levels=levels,
+                        cf=cf,
+                        fwd_iters=1,
+                        bwd_iters=1,
+                        comm=comm,
+                        state_bytes=nbytes,
+                    ).speedup
+                    cells.append(f"**{s:.2f}**" if s > 1 else f"{s:.2f}")
+                print(f"| {levels} | {cf} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=64)
+    parser.add_argument("--d", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layer-reps", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="N=16, d=64 smoke test")
+    parser.add_argument("--table-only", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.n, args.d, args.batch, args.tokens, args.repeats = 16, 64, 2, 16, 3
+    start = time.perf_counter()
+    if args.table_only:
+        comm = CommModel(latency=5e-5, bandwidth=1e9)
+    else:
+        comm = measured(args)
+    table(comm, args)
+    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
