@@ -286,6 +286,8 @@ def plot(all_results: dict[str, list[Result]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = {k: v for k, v in all_results.items() if any(r.losses for r in v)}
+    if not shown:
+        return
     fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
     for ax, (name, results) in zip(axes[0], shown.items(), strict=True):
         for r in results:
@@ -366,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"({time.perf_counter() - t0:.1f} s)",
                 file=sys.stderr,
             )
-        all_results[task.name] = results
+        if not task.timing_only:  # a few steps of loss say nothing
+            all_results[task.name] = results
         print_table(task, results, args.threads)
     plot(all_results, Path(args.png))
 

@@ -145,7 +145,8 @@ class NaturalGradientMaker(HookedMaker):
             parts = {"": self._full}
         else:
             parts = {name: stats.get(self.shape) for name, stats in self._stats.items()}
-            parts = {name: t for name, t in parts.items() if t is not None}
+        # A module that saw no gradient in this pass keeps its previous estimate.
+        parts = {name: t for name, t in parts.items() if t is not None}
         self._all_reduce_mean([parts[k] for k in sorted(parts)])
         for name, value in parts.items():
             self.fisher[name] = self._ema_update(name, value)

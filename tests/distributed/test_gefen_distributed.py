@@ -1,4 +1,10 @@
-"""Gefen under DDP and FSDP2 (gloo, spawned ranks) equals one process (union batch)."""
+"""Gefen under DDP, FSDP2 and DCP (gloo, spawned ranks) versus one process.
+
+Every run sees the same union batch (``_gefen_workers.GLOBAL_BATCH`` split over the
+ranks) and float64 parameters, so the fp32 gradients Gefen reads are the same in
+every layout; the partition and the codebook must then be identical, and the
+parameters equal to fp32 summation order.
+"""
 
 from __future__ import annotations
 
@@ -9,38 +15,86 @@ from tests.distributed import _gefen_workers as workers
 from tests.distributed.launch import run_distributed
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+def _rel(params: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    return max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        for a, b in zip(params, ref, strict=True)
+    )
 
 
-def _check_world(world: int) -> None:
-    results = run_distributed(workers.ddp_and_fsdp2, world, timeout=600)
+def _exact(params: list[torch.Tensor], ref: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(params, ref, strict=True))
+
+
+def _run(world: int, root: str, sources: tuple[str, ...]) -> list[dict]:
+    return run_distributed(workers.everything, world, root, sources, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gefen_dcp"))
+    workers.first_half(1, 0, f"{root}/one")  # a one-process DCP checkpoint
+    return root, _run(2, root, ("one",))
+
+
+def check_training(results: list[dict], world: int) -> None:
     for rank, out in enumerate(results):
+        train = out["train"]
         for bits in (8, 4):
-            ref_params, ref = out[f"ref{bits}"]
+            ref_params, ref = workers.reference(world, bits)
             for kind in ("ddp", "fsdp"):
-                params, got = out[f"{kind}{bits}"]
+                params, got = train[f"{kind}{bits}"]
                 where = f"rank {rank}, {kind}, {bits}-bit"
                 assert got["periods"] == ref["periods"], where
                 assert torch.equal(got["codebook"], ref["codebook"]), where
-                for p, q in zip(params, ref_params, strict=True):
-                    assert _rel(p, q) <= 1e-5, where
-        # sharded init (meta -> fully_shard -> to_empty -> copy) trains like eager
-        init_ref, init_sum = workers.reference(world, 8, steps=5)
-        assert out["init"]["summary"]["periods"] == init_sum["periods"]
-        assert torch.equal(out["init"]["summary"]["codebook"], init_sum["codebook"])
-        for p, q in zip(out["init"]["params"], init_ref, strict=True):
-            assert _rel(p, q) <= 1e-5
-    # every rank holds the same global parameters
-    for out in results[1:]:
-        for p, q in zip(out["fsdp8"][0], results[0]["fsdp8"][0], strict=True):
-            assert torch.equal(p, q)
+                assert _rel(params, ref_params) <= 1e-5, where
+        init_ref, init_summary = workers.reference(world, 8, steps=5)
+        assert train["init"]["summary"]["periods"] == init_summary["periods"]
+        assert torch.equal(
+            train["init"]["summary"]["codebook"], init_summary["codebook"]
+        )
+        assert _rel(train["init"]["params"], init_ref) <= 1e-5
+    for out in results[1:]:  # every rank holds the same global parameters
+        assert _exact(out["train"]["fsdp8"][0], results[0]["train"]["fsdp8"][0])
 
 
-def test_ddp_and_fsdp2_two_ranks_equal_one_process():
-    _check_world(2)
+def check_dcp(results: list[dict], world: int) -> None:
+    ref, _ = workers.reference(world)
+    for out in results:
+        dcp = out["dcp"]
+        # DCP's zero-gradient lr-0 step left provisional states and changed nothing
+        assert set(dcp["template_periods"]) == {0}
+        assert _exact(dcp["after_template"], dcp["uninterrupted"])
+        assert _exact(dcp["resumed"][0], dcp["uninterrupted"])
+        for source, params in dcp["from"].items():
+            assert _rel(params, ref) <= 1e-6, source
+        errors = dcp["errors"]
+        assert "Size mismatch" in errors["model"] and "0.weight" in errors["model"]
+        assert "exp_avg_codes" in errors["bits"] or "codebook" in errors["bits"]
+        assert "exp_avg" in errors["adamw"]
+
+
+def test_two_ranks_ddp_and_fsdp2_equal_one_process(two_ranks):
+    check_training(two_ranks[1], 2)
+
+
+def test_two_ranks_dcp_round_trips(two_ranks):
+    check_dcp(two_ranks[1], 2)
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(two_ranks):
+    root, _ = two_ranks
+    ref, _ = workers.reference(1)
+    params, summary = workers.resume(1, 0, f"{root}/w2")
+    assert _rel(params, ref) <= 1e-6
+    assert summary["periods"] == workers.reference(1, steps=1)[1]["periods"]
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp2_four_ranks_equal_one_process():
-    _check_world(4)
+def test_four_ranks(tmp_path):
+    root = str(tmp_path)
+    workers.first_half(1, 0, f"{root}/one")
+    run_distributed(workers.save_first_half, 2, f"{root}/w2", timeout=600)
+    results = _run(4, root, ("one", "w2"))
+    check_training(results, 4)
+    check_dcp(results, 4)

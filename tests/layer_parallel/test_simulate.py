@@ -21,7 +21,7 @@ CONFIGS = [
     for n, p, levels, cf, k, relax, skip in itertools.product(
         [32, 64], [1, 2, 4, 8], [2, 3], [2, 4], [1, 3], [0, 1], [True, False]
     )
-    if (n // p) % cf ** (levels - 1) == 0 and (n + p + k + relax) % 3 == 0
+    if (n // p) % cf ** (levels - 1) == 0 and (n + p + k + relax + levels) % 5 == 0
 ]
 
 

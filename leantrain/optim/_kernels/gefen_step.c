@@ -52,6 +52,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -168,10 +171,61 @@ static void lt_store_bf16(uint16_t *restrict dst, const float *restrict src, int
   }
 }
 
+#ifdef __AVX2__
+/* A 16-entry codebook lookup of 8 codes (int32 lanes) with two in-register
+   permutes and a blend on bit 3: no memory gather. */
+static inline __m256 lt_take16(__m256 lo, __m256 hi, __m256i idx) {
+  const __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* 4-bit codes of [a, a + len) looked up in the codebook, 8 at a time; returns how
+   many elements were done (the caller finishes the rest). */
+static int64_t lt_take16_avx2(const float *cb, const uint8_t *restrict codes, int packed,
+                              int64_t a, int64_t len, float *restrict out) {
+  const __m256 lo = _mm256_loadu_ps(cb), hi = _mm256_loadu_ps(cb + 8);
+  int64_t k = 0;
+  if (!packed) {
+    for (; k + 8 <= len; k += 8) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + a + k)));
+      _mm256_storeu_ps(out + k, lt_take16(lo, hi, idx));
+    }
+    return k;
+  }
+  if (a & 1) { /* start on a byte boundary */
+    if (len == 0) return 0;
+    out[0] = cb[codes[a >> 1] >> 4];
+    k = 1;
+  }
+  /* 4 bytes -> 8 lanes: each byte twice, then the low / high nibble */
+  const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i shift = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (; k + 8 <= len; k += 8) {
+    int32_t four;
+    memcpy(&four, codes + ((a + k) >> 1), sizeof four);
+    const __m128i bytes = _mm_shuffle_epi8(_mm_cvtsi32_si128(four), twice);
+    __m256i idx = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(bytes), shift);
+    idx = _mm256_and_si256(idx, nibble);
+    _mm256_storeu_ps(out + k, lt_take16(lo, hi, idx));
+  }
+  return k;
+}
+#endif
+
 /* Old codes of [a, a + len) looked up in the codebook (scalar: see header). */
 LT_SCALAR static void lt_take_codebook(const float *restrict cb,
-                                       const uint8_t *restrict codes, int packed,
-                                       int64_t a, int64_t len, float *restrict out) {
+                                       const uint8_t *restrict codes, int bits,
+                                       int packed, int64_t a, int64_t len,
+                                       float *restrict out) {
+#ifdef __AVX2__
+  if (bits == 4) { /* 16 codes fit in two registers: vector lookups */
+    const int64_t done = lt_take16_avx2(cb, codes, packed, a, len, out);
+    a += done, len -= done, out += done;
+  }
+#else
+  (void)bits;
+#endif
   if (!packed) {
     const uint8_t *restrict c = codes + a;
     for (int64_t k = 0; k < len; k++) out[k] = cb[c[k]];
@@ -194,7 +248,7 @@ static double lt_momentum(const float *restrict g, const uint8_t *restrict codes
   const int small = h->w1 < 0.5f;
   const float wc = small ? h->w1 : h->w1 - 1.0f;
   if (bits) {
-    lt_take_codebook(cb, codes, packed, a, len, m_out);
+    lt_take_codebook(cb, codes, bits, packed, a, len, m_out);
     for (int64_t k = 0; k < len; k++) {
       float old = m_out[k] * amax_old, gk = g[k] * sign;
       m_out[k] = fmaf(wc, gk - old, small ? old : gk);
@@ -231,33 +285,52 @@ static float lt_absmax(const float *restrict m, int64_t len) {
   return out;
 }
 
-/* Nearest value and code of each m / amax, branch-free: the cell's table entry
-   gives the number j of midpoints in lower cells (stored bitwise-NOT'ed when the
-   cell holds midpoints: j ^ (j >> 15) undoes that without a branch), then
-   `steps` comparisons j += x > mid[j] (steps = the most midpoints in one cell, 1 for
-   a learned codebook) count the cell's own midpoints below x. Midpoints of higher
-   cells are above x, and mid[nuniq - 1] = +inf stops j (NaN compares false). The
-   loop has no data-dependent branch: a mispredicted one per cell holding a
-   midpoint cost more than the whole lookup. */
-LT_SCALAR static void lt_quantize(const lt_quantizer *q, const float *restrict m,
-                                  float amax, int64_t len, float *restrict val,
-                                  uint8_t *restrict code) {
+/* x = m / amax (in place) and its lookup cell; NaN -> cell 0 (never out of range).
+   Vectorizes (the division above all, ~8x cheaper than in the lookup loop). */
+static void lt_cells(const lt_quantizer *q, float *restrict m, float amax, int64_t len,
+                     int32_t *restrict cell) {
+  const float half = 0.5f * (float)q->ncell, top = (float)(q->ncell - 1);
+  for (int64_t k = 0; k < len; k++) {
+    float x = m[k] / amax;
+    float t = (x + 1.0f) * half;
+    t = t >= 0.0f ? t : 0.0f;
+    t = t <= top ? t : top;
+    m[k] = x;
+    cell[k] = (int32_t)t;
+  }
+}
+
+/* Nearest value and code of each x, branch-free: the cell's table entry gives the
+   number j of midpoints in lower cells (stored bitwise-NOT'ed when the cell holds
+   midpoints: j ^ (j >> 15) undoes that without a branch), then `steps` comparisons
+   j += x > mid[j] (steps = the most midpoints in one cell, 1 for a learned codebook)
+   count the cell's own midpoints below x. Midpoints of higher cells are above x,
+   and mid[nuniq - 1] = +inf stops j (NaN compares false). No data-dependent
+   branch: a mispredicted one per cell holding a midpoint cost more than the lookup.
+   Scalar: see the header on gathers. */
+LT_SCALAR static void lt_lookup(const lt_quantizer *q, const float *restrict x,
+                                const int32_t *restrict cell, int64_t len,
+                                float *restrict val, uint8_t *restrict code) {
   const int16_t *restrict lut = q->lut;
   const float *restrict mid = q->mid, *restrict uniq = q->uniq;
   const uint8_t *restrict first = q->first;
-  const float half = 0.5f * (float)q->ncell, top = (float)(q->ncell - 1);
+  if (q->steps <= 1 && q->nuniq == q->ncodes) { /* a learned codebook */
+    for (int64_t k = 0; k < len; k++) {
+      int32_t j = lut[cell[k]];
+      j ^= j >> 15;
+      j += x[k] > mid[j];
+      val[k] = uniq[j];
+      code[k] = (uint8_t)j;
+    }
+    return;
+  }
   const int32_t steps = q->steps;
-  const int distinct = q->nuniq == q->ncodes;
   for (int64_t k = 0; k < len; k++) {
-    const float x = m[k] / amax;
-    float t = (x + 1.0f) * half;
-    t = t >= 0.0f ? t : 0.0f; /* NaN -> cell 0 (never out of range) */
-    t = t <= top ? t : top;
-    int32_t j = lut[(int32_t)t];
+    int32_t j = lut[cell[k]];
     j ^= j >> 15;
-    for (int32_t s = 0; s < steps; s++) j += x > mid[j];
+    for (int32_t s = 0; s < steps; s++) j += x[k] > mid[j];
     val[k] = uniq[j];
-    code[k] = distinct ? (uint8_t)j : first[j];
+    code[k] = first[j];
   }
 }
 
@@ -273,7 +346,27 @@ static void lt_lookup16(const lt_quantizer *q, const float *restrict m, float am
     uniq[j] = q->uniq[j < q->nuniq ? j : q->nuniq - 1];
     first[j] = q->first[j < q->nuniq ? j : q->nuniq - 1];
   }
-  for (int64_t k = 0; k < len; k++) {
+  int64_t k = 0;
+#ifdef __AVX2__
+  /* Count the midpoints below x with 15 compares, then take value and code with
+     in-register permutes: ~2/3 of the operations of the selects below. */
+  const __m256 am = _mm256_set1_ps(amax);
+  const __m256 u_lo = _mm256_loadu_ps(uniq), u_hi = _mm256_loadu_ps(uniq + 8);
+  const __m256 f_lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)first));
+  const __m256 f_hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(first + 8)));
+  for (; k + 8 <= len; k += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(m + k), am);
+    __m256i cnt = _mm256_setzero_si256();
+    for (int j = 0; j < 15; j++) /* a true compare is -1: subtract it */
+      cnt = _mm256_sub_epi32(
+          cnt, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_set1_ps(mid[j]), _CMP_GT_OQ)));
+    _mm256_storeu_ps(val + k, lt_take16(u_lo, u_hi, cnt));
+    const __m256i c = _mm256_castps_si256(lt_take16(f_lo, f_hi, cnt));
+    const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)(code + k), _mm_packus_epi16(c16, c16));
+  }
+#endif
+  for (; k < len; k++) {
     const float x = m[k] / amax;
     float v = uniq[0];
     int32_t c = first[0];
@@ -400,7 +493,8 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       if (amax > 0.0f && bits == 4) {
         lt_lookup16(q, w->m, amax, l, w->val, w->code);
       } else if (amax > 0.0f) {
-        lt_quantize(q, w->m, amax, l, w->val, w->code);
+        lt_cells(q, w->m, amax, l, w->cell);
+        lt_lookup(q, w->m, w->cell, l, w->val, w->code);
       } else {
         for (int64_t k = 0; k < l; k++) {
           w->val[k] = q->uniq[zero];
