@@ -1,11 +1,16 @@
 """Gefen's optimizer step on one large fp32 tensor versus torch's AdamW (CPU).
 
+The codebook is the one Gefen learns from the benchmark's gradient (a learned
+codebook's codes are at least a histogram bin apart, which the kernel's lookup
+relies on for speed, not for exactness).
+
 Prints one table: time per step (median after warm-up), the ratio to AdamW's
 default step and to ``AdamW(fused=True)``, and the peak extra memory
 during the step, for
 
 * torch AdamW, default (on CPU: the single-tensor loop) and ``fused=True``;
-* Gefen's fused C kernel, 8-bit and 4-bit codes and fp32 momentum;
+* Gefen's fused C kernel, 8-bit and 4-bit codes and fp32 momentum, and 8-bit with
+  a bf16 parameter and gradient (stochastic rounding, the bf16 default);
 * Gefen's chunked PyTorch fallback (8-bit), and the reference step (8-bit).
 
 Peak extra memory is the growth of the process's peak resident set during one step:
@@ -40,8 +45,8 @@ import torch
 from leantrain.optim import _fused, _native
 from leantrain.optim._state import new_state
 from leantrain.optim._step import reference_step
-from leantrain.optim.codebook import histogram, learn_codebook
 from leantrain.optim._torch_step import torch_step
+from leantrain.optim.codebook import histogram, learn_codebook
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -98,10 +103,10 @@ def learned_codebook(grad: torch.Tensor, period: int, bits: int) -> torch.Tensor
     return learn_codebook(histogram(grad, period), 2**bits)
 
 
-def gefen_case(numel: int, period: int, bits: int | None, step_fn):
-    param = torch.randn(numel)
-    grad = torch.randn(numel)
-    cb = learned_codebook(grad, period, bits) if bits else None
+def gefen_case(numel: int, period: int, bits: int | None, step_fn, dtype=torch.float32):
+    param = torch.randn(numel, dtype=dtype)
+    grad = torch.randn(numel, dtype=dtype)
+    cb = learned_codebook(grad.float(), period, bits) if bits else None
     state = new_state(param, period, bits, cb)
 
     def step():
@@ -189,6 +194,11 @@ def main() -> None:
         (
             "Gefen fused C, fp32 m",
             lambda: gefen_case(n, p, None, _fused.fused_step),
+            False,
+        ),
+        (
+            "Gefen fused C, 8-bit, bf16 (SR)",
+            lambda: gefen_case(n, p, 8, _fused.fused_step, torch.bfloat16),
             False,
         ),
         (

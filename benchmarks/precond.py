@@ -5,7 +5,9 @@ widths 16-32-32, and a tiny 64-16-10 MLP where the dense methods fit) and each m
 ``leantrain.precond.registry`` plus plain SGD and AdamW, from the same init and the
 same batches (128 examples):
 
-* **step ms / x SGD** -- median wall time of one whole training step (zero_grad,
+* **step ms / x SGD** -- median CPU time (``time.process_time``: the shared machine's
+  load makes wall time meaningless; with one thread it is the wall time of an idle
+  machine) of one whole training step (zero_grad,
   ``forward_and_backward`` or forward + backward, ``optimizer.step``) after a warm-up,
   and its ratio to the plain SGD step of the same model measured in the same run;
 * **steps to target** -- the first evaluation step (every ``--eval-every``) at which
@@ -91,13 +93,13 @@ def run_one(method, base, x, y, batches, eval_every):
     times, curve = [], [(0, _full_loss(model, x, y))]
     try:
         for step, idx in enumerate(batches, start=1):
-            start = time.perf_counter()
+            start = time.process_time()
             opt.zero_grad(set_to_none=True)
             out = gm.setup_model_call(model, x[idx])
             gm.setup_loss_call(F.cross_entropy, out, y[idx])
             gm.forward_and_backward()
             opt.step()
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
             if step % eval_every == 0 or step == len(batches):
                 loss = _full_loss(model, x, y)
                 curve.append((step, loss))

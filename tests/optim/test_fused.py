@@ -185,11 +185,31 @@ def test_matches_contract_brute_force(backend, bits, n, period):
     torch.testing.assert_close(p_mine, p_ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_nearest_code_exact_at_midpoints(backend, bits):
+def spaced_codebook(bits: int, seed: int = 1) -> torch.Tensor:
+    """Codes at distinct histogram-bin centres, like a learned codebook: at most one
+    midpoint per lookup cell, the kernel's one-comparison path."""
+    bins = torch.randperm(4096, generator=torch.Generator().manual_seed(seed))
+    inner = -1 + (torch.sort(bins[: 2**bits - 2]).values + 0.5) / 2048
+    return torch.cat([torch.tensor([-1.0]), inner, torch.tensor([1.0])])
+
+
+def crowded_codebook() -> torch.Tensor:
+    """254 of 256 codes within 2e-3 of 0: many midpoints per lookup cell."""
+    inner = torch.rand(254, generator=torch.Generator().manual_seed(0)) * 2e-3 - 1e-3
+    return torch.cat([torch.tensor([-1.0]), inner.sort().values, torch.tensor([1.0])])
+
+
+@pytest.mark.parametrize(
+    "bits,kind", [(8, "power"), (4, "power"), (8, "spaced"), (8, "crowded")]
+)
+def test_nearest_code_exact_at_midpoints(backend, bits, kind):
     """With beta1 = 0, m = g and absmax = 1, so codes = nearest(g) exactly: values on
-    midpoints (ties go to the lower code) and one ulp to either side."""
-    cb = codebook(bits)
+    midpoints (ties go to the lower code) and one ulp to either side. "crowded"
+    codes put several midpoints in one lookup cell (several comparisons)."""
+    books = {"power": codebook, "spaced": spaced_codebook}
+    cb = crowded_codebook() if kind == "crowded" else books[kind](bits)
+    steps = _quant_table.build_table(cb).steps
+    assert steps > 1 if kind == "crowded" else steps <= 1
     mids = ((cb[:-1].double() + cb[1:].double()) / 2).float()
     up, down = torch.tensor(np.inf), torch.tensor(-np.inf)
     x = torch.cat(

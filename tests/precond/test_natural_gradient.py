@@ -147,5 +147,5 @@ def test_errors():
     with pytest.raises(TypeError, match="max_block"):
         NaturalGradientMaker(model, max_block=1.5)
     gm = NaturalGradientMaker(model, shape="diag")
-    with pytest.raises(ValueError, match="'fisher', 'inverses'"):
+    with pytest.raises(ValueError, match="'fisher', 'preconditioner'"):
         gm.load_state_dict({**gm.state_dict(), "extra": {}})

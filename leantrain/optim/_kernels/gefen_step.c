@@ -1,5 +1,6 @@
 /*
- * Gefen's fused CPU step for one fp32 parameter (leantrain, docs/CONTRACTS.md).
+ * Gefen's fused CPU step for one fp32 or bf16 parameter (leantrain,
+ * docs/CONTRACTS.md).
  *
  * Plain C99 + OpenMP, no torch headers: leantrain/optim/_native.py compiles this file
  * on first use with `gcc -O3 -march=native -fopenmp -ffp-contract=off` and calls it
@@ -14,6 +15,12 @@
  *   param -= (lr / bc1) * (codebook[code] * absmax) / (sqrt(v) / sqrt(bc2) + eps)
  * With period 1 the second moment is per element (and `block` is the absmax block).
  * With fp32 momentum (bits 0) m = lerp(m, g, 1 - beta1) is stored as is.
+ * 4-bit codes are packed two per byte (element 2i in the low nibble) or stored one
+ * per byte (lt_io.packed); 8-bit codes one per byte. The math is fp32 throughout: a
+ * bf16 gradient or parameter is widened per sub-chunk into a per-thread buffer, and
+ * the updated parameter is written back rounded to nearest even, or stochastically
+ * with a counter-based hash of (element index, key) (leantrain/optim/precision.py
+ * is the reference; the two give the same bits).
  *
  * Work per block: pass 1 reads g and the old codes once, keeps m in a per-thread
  * buffer of `chunk` floats (L1/L2) and reduces sum(g^2) and max|m|; pass 2 quantizes
@@ -23,10 +30,15 @@
  * (pairs of blocks when 4-bit codes of an odd block length would share a byte),
  * scheduled dynamically.
  *
- * Table lookups (old code -> value, cell -> code) are scalar loops: on the CPU we
- * measured (AMD EPYC, AVX2, under KVM) a vpgatherdd cost more than eight scalar
- * loads. A 4-bit codebook is quantized by comparing with its 15 midpoints instead,
- * which vectorizes. Everything else is in loops the compiler vectorizes.
+ * 8-bit table lookups (old code -> value, cell -> code) are scalar loops: on the
+ * CPU we measured (AMD EPYC Zen 3, AVX2, under KVM) a vpgatherdd costs as much as
+ * eight scalar loads, and a version of pass 2 fused into one AVX2 loop with three
+ * gathers per 8 elements was ~10% slower than the scalar lookup + vector update.
+ * The 8-bit lookup is branch-free (a mispredicted branch per element in a cell
+ * holding a midpoint cost 30% of the step with a learned codebook). A 4-bit codebook
+ * fits in two AVX2 registers: old codes are dequantized with in-register permutes,
+ * and new ones are found by comparing with the 15 midpoints. Everything else is in
+ * loops the compiler vectorizes.
  *
  * Rounding follows the PyTorch reference op by op: g*g rounded to fp32 then summed
  * (here in double, at least as accurate as torch's cascade sum), torch's fused
@@ -42,11 +54,11 @@
  * first[k], the lowest code holding u_k. The cell of a float y is
  * floor((y + 1) * ncell / 2) in fp32, a monotone function of y, so every midpoint in
  * a lower cell is below x and every one in a higher cell is above: lut[cell] holds
- * the count of midpoints in lower cells, and where the cell itself holds midpoints
- * its bitwise NOT, telling the loop to step over the cell's midpoints below x. With
- * 16384 cells (1/4 of a codebook histogram bin) a learned codebook's midpoints,
- * which are at least a bin apart, never share a cell: one neighbour comparison, and
- * only in the ~1.6% of cells that hold a midpoint. Exact for any sorted codebook.
+ * the count j of midpoints in lower cells (bitwise NOT'ed where the cell itself
+ * holds midpoints, for the torch fallback), and `steps` comparisons j += x > mid[j]
+ * count the cell's own midpoints below x. With 16384 cells (1/4 of a codebook
+ * histogram bin) a learned codebook's midpoints, which are at least 3/4 of a bin
+ * apart, never share a cell: steps = 1. Exact for any sorted codebook.
  */
 #include <math.h>
 #include <stdint.h>
@@ -59,6 +71,7 @@
 #include <omp.h>
 #endif
 
+#define LT_TILE 512       /* elements per L1-resident tile of the 8-bit lookup */
 #define LT_MAX_CHUNK 8192 /* longest sub-chunk (per-thread buffers ~13 B/element) */
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -490,22 +503,34 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
       lt_update(p, w->m, 1.0f, ve, denom, h, l);
     } else {
-      if (amax > 0.0f && bits == 4) {
-        lt_lookup16(q, w->m, amax, l, w->val, w->code);
-      } else if (amax > 0.0f) {
-        lt_cells(q, w->m, amax, l, w->cell);
-        lt_lookup(q, w->m, w->cell, l, w->val, w->code);
-      } else {
-        for (int64_t k = 0; k < l; k++) {
-          w->val[k] = q->uniq[zero];
-          w->code[k] = q->first[zero];
+      if (amax > 0.0f && bits == 8) {
+        /* in L1-resident tiles: the cells, values and codes a loop writes are read
+           by the next one before they leave L1 */
+        for (int64_t t = 0; t < l; t += LT_TILE) {
+          const int64_t tl = l - t < LT_TILE ? l - t : LT_TILE;
+          lt_cells(q, w->m + t, amax, tl, w->cell);
+          lt_lookup(q, w->m + t, w->cell, tl, w->val, w->code);
+          memcpy(codes + s + a + t, w->code, (size_t)tl);
+          lt_update(p + t, w->val, amax, ve ? ve + t : 0, denom, h, tl);
         }
+      } else {
+        if (amax > 0.0f && bits == 4) {
+          lt_lookup16(q, w->m, amax, l, w->val, w->code);
+        } else if (amax > 0.0f) {
+          lt_cells(q, w->m, amax, l, w->cell);
+          lt_lookup(q, w->m, w->cell, l, w->val, w->code);
+        } else {
+          for (int64_t k = 0; k < l; k++) {
+            w->val[k] = q->uniq[zero];
+            w->code[k] = q->first[zero];
+          }
+        }
+        if (bits == 8 || !packed)
+          memcpy(codes + s + a, w->code, (size_t)l);
+        else
+          lt_store_codes(codes, 1, n, s + a, l, w->code);
+        lt_update(p, w->val, amax, ve, denom, h, l);
       }
-      if (bits == 8 || !packed)
-        memcpy(codes + s + a, w->code, (size_t)l);
-      else
-        lt_store_codes(codes, 1, n, s + a, l, w->code);
-      lt_update(p, w->val, amax, ve, denom, h, l);
     }
     if (io->param_bf16) lt_store_bf16((uint16_t *)param, w->p, s + a, l, io);
   }
