@@ -19,6 +19,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from leantrain.optim import _codebook_dp as dp
 from leantrain.optim import _native
 from leantrain.optim import codebook as cbm
 
@@ -61,8 +62,8 @@ def main() -> None:
         counts = gradient_like_counts(bins)
         x, c, _ = cbm._prepare(counts, 2)
         for k in (16, 256):
-            fast_t, (_, fast_bounds) = best_of(partial(cbm._solve_fast, x, c, k))
-            native_t, native = best_of(partial(cbm._solve_native, x, c, k))
+            fast_t, (_, fast_bounds) = best_of(partial(dp._solve_fast, x, c, k))
+            native_t, native = best_of(partial(dp._solve_native, x, c, k))
             # Partition costs evaluated directly (no prefix-sum rounding).
             fast_direct = cbm._partition_cost(fast_bounds, x, c)
             same_native = native is None or (
@@ -71,11 +72,11 @@ def main() -> None:
             )
             native_s = "n/a" if native is None else f"{native_t:.4f}"
             # One reference layer, times the number of layers, estimates the whole.
-            one_layer, _ = best_of(partial(cbm._solve_reference, x, c, 3), repeat=1)
+            one_layer, _ = best_of(partial(dp._solve_reference, x, c, 3), repeat=1)
             estimate = one_layer * (k - 2)
             if estimate <= args.limit:
                 ref_t, (_, ref_bounds) = best_of(
-                    partial(cbm._solve_reference, x, c, k), repeat=1
+                    partial(dp._solve_reference, x, c, k), repeat=1
                 )
                 # Both partitions' costs evaluated directly (no prefix-sum rounding).
                 fast_cost = cbm._partition_cost(fast_bounds, x, c)

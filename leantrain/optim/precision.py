@@ -32,7 +32,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["random_bits", "round_to", "rounding_key", "stochastic_round"]
+__all__ = [
+    "default_stochastic",
+    "random_bits",
+    "round_to",
+    "rounding_key",
+    "stochastic_round",
+]
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF

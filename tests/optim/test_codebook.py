@@ -1,4 +1,5 @@
-"""The exact codebook DP against the plain DP and brute force; the histogram."""
+"""The exact codebook DP (numpy, C) against the plain DP and brute force; the
+histogram."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from leantrain.optim import _codebook_dp as dp
 from leantrain.optim import codebook as cbm
 from leantrain.optim.codebook import (
     bin_centres,
@@ -51,12 +53,12 @@ def brute_force_cost(counts: np.ndarray, k: int) -> float:
 
 def dp_cost(counts: np.ndarray, k: int, method: str = "auto") -> float:
     x, c, _ = cbm._prepare(torch.from_numpy(counts), k)
-    return cbm._solve_fast(x, c, k, method)[0]
+    return dp._solve_fast(x, c, k, method)[0]
 
 
 def ref_cost(counts: np.ndarray, k: int) -> float:
     x, c, _ = cbm._prepare(torch.from_numpy(counts), k)
-    return cbm._solve_reference(x, c, k)[0]
+    return dp._solve_reference(x, c, k)[0]
 
 
 def random_counts(seed: int, bins: int, density: float, integer: bool) -> np.ndarray:
@@ -110,12 +112,12 @@ def test_fast_equals_reference(seed, bins, k, density, integer):
     if int((counts > 0).sum()) <= k - 2:
         return
     x, c, _ = cbm._prepare(torch.from_numpy(counts), k)
-    ref_dp, ref_bounds = cbm._solve_reference(x, c, k)
+    ref_dp, ref_bounds = dp._solve_reference(x, c, k)
     ref = cbm._partition_cost(ref_bounds, x, c)  # direct: no prefix-sum rounding
     # The DP's own value carries prefix-sum rounding of order eps * total mass.
     assert ref_dp == pytest.approx(ref, rel=1e-9, abs=1e-13 * c.sum())
     for method in ("auto", "dc", "knuth"):
-        got_dp, bounds = cbm._solve_fast(x, c, k, method)
+        got_dp, bounds = dp._solve_fast(x, c, k, method)
         assert got_dp == pytest.approx(ref, rel=1e-9, abs=1e-13 * c.sum()), method
         got = cbm._partition_cost(bounds, x, c)
         assert got == pytest.approx(ref, rel=1e-9, abs=1e-15 * c.sum()), method
@@ -281,7 +283,7 @@ def test_row_minima_dense_and_ragged_paths_agree_with_brute_force(seed):
     n = 600
     x = np.sort(rng.uniform(-1, 1, n))
     c = rng.exponential(size=n)
-    s0, s1, s2 = cbm._prefix(x, c)
+    s0, s1, s2 = dp._prefix(x, c)
     prev = rng.uniform(0, 1, n + 1)
     base = prev - s2
     rows = np.arange(50, n + 1)
@@ -293,12 +295,12 @@ def test_row_minima_dense_and_ragged_paths_agree_with_brute_force(seed):
         v = prev[s] + (s2[t] - s2[s]) - (s1[t] - s1[s]) ** 2 / (s0[t] - s0[s])
         expected.append((v.min(), s[np.flatnonzero(v <= v.min() + 1e-12)[0]]))
     exp_best, exp_arg = map(np.array, zip(*expected, strict=True))
-    for fn in (cbm._row_minima, cbm._ragged_minima):
+    for fn in (dp._row_minima, dp._ragged_minima):
         best, arg = fn(base, s0, s1, s2, rows, lo, hi)
         np.testing.assert_allclose(best, exp_best, rtol=1e-9, atol=1e-9)
         np.testing.assert_array_equal(arg, exp_arg)
     narrow = (hi - lo + 1) <= 8
-    best, arg = cbm._dense_minima(
+    best, arg = dp._dense_minima(
         base, s0, s1, s2, rows[narrow], lo[narrow], hi[narrow], 8
     )
     np.testing.assert_array_equal(arg, exp_arg[narrow])
@@ -307,18 +309,18 @@ def test_row_minima_dense_and_ragged_paths_agree_with_brute_force(seed):
 def test_knuth_fallback_to_divide_and_conquer_is_exact(monkeypatch):
     """A layer whose windows are not certified within the round limit falls back to
     divide and conquer; force that on every layer and compare with the reference."""
-    original = cbm._layer_knuth
+    original = dp._layer_knuth
 
     def impatient(*args, **kwargs):
         kwargs["max_rounds"] = 0
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(cbm, "_layer_knuth", impatient)
+    monkeypatch.setattr(dp, "_layer_knuth", impatient)
     for seed in range(3):
         counts = random_counts(seed, 150, 0.7, integer=False)
         x, c, _ = cbm._prepare(torch.from_numpy(counts), 12)
-        cost, bounds = cbm._solve_fast(x, c, 12)
-        ref_cost, ref_bounds = cbm._solve_reference(x, c, 12)
+        cost, bounds = dp._solve_fast(x, c, 12)
+        ref_cost, ref_bounds = dp._solve_reference(x, c, 12)
         assert bounds == ref_bounds and cost == pytest.approx(ref_cost, rel=1e-9)
 
 
@@ -346,9 +348,9 @@ def test_native_equals_numpy_and_reference(seed, bins, k, density, integer):
     if int((counts > 0).sum()) <= k - 2:
         return
     x, c, _ = cbm._prepare(torch.from_numpy(counts), k)
-    native_cost, native_bounds = cbm._solve_native(x, c, k)
-    fast_cost, fast_bounds = cbm._solve_fast(x, c, k)
-    ref_cost, ref_bounds = cbm._solve_reference(x, c, k)
+    native_cost, native_bounds = dp._solve_native(x, c, k)
+    fast_cost, fast_bounds = dp._solve_fast(x, c, k)
+    ref_cost, ref_bounds = dp._solve_reference(x, c, k)
     # All three evaluate the same prefix-sum expressions: agreement is near-exact.
     assert native_cost == pytest.approx(fast_cost, rel=1e-12, abs=1e-15 * c.sum())
     assert native_cost == pytest.approx(ref_cost, rel=1e-12, abs=1e-15 * c.sum())
@@ -371,13 +373,13 @@ def test_native_full_size_matches_numpy(monkeypatch):
     g = torch.randn(512, 512) * torch.rand(512, 1) ** 2
     counts = histogram(g, 512)
     x, c, _ = cbm._prepare(counts, 256)
-    native_cost, native_bounds = cbm._solve_native(x, c, 256)
-    fast_cost, fast_bounds = cbm._solve_fast(x, c, 256)
+    native_cost, native_bounds = dp._solve_native(x, c, 256)
+    fast_cost, fast_bounds = dp._solve_fast(x, c, 256)
     assert native_cost == pytest.approx(fast_cost, rel=1e-12)
     assert native_bounds == fast_bounds
     native = learn_codebook(counts, 256)
     monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
-    assert cbm._solve_native(x, c, 256) is None
+    assert dp._solve_native(x, c, 256) is None
     assert torch.equal(native, learn_codebook(counts, 256))
 
 
@@ -385,5 +387,5 @@ def test_native_declines_what_it_does_not_solve():
     """k = 2 (no middle layer) and too few bins go to the numpy path."""
     native_or_skip()
     x, c, _ = cbm._prepare(torch.ones(10, dtype=torch.float64), 2)
-    assert cbm._solve_native(x, c, 2) is None
-    assert cbm._solve_native(x, c, 12) is None  # 10 bins < k - 1
+    assert dp._solve_native(x, c, 2) is None
+    assert dp._solve_native(x, c, 12) is None  # 10 bins < k - 1
