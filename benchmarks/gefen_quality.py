@@ -1,13 +1,13 @@
 """Where does Gefen's validation-loss gap to AdamW come from? A partition study.
 
-Trains ``GPT.default()`` on the embedded stdlib text from one initialisation and one data
-order with AdamW and with Gefen variants that switch one thing at a time (momentum width,
-block partition of 2-D tensors, per-element second moment for 1-D tensors), and prints the
-validation loss of each as a ratio to AdamW's from the same run.
+Trains ``GPT.default()`` on the embedded stdlib text from one initialisation and one
+data order with AdamW and with Gefen variants that switch one thing at a time
+(momentum width, block partition of 2-D tensors, per-element second moment for 1-D
+tensors), and prints the validation loss of each as a ratio to AdamW's (same run).
 
-Run: ``python benchmarks/gefen_quality.py`` (default: 200 steps, lr 2e-3, about 2 minutes
-per variant on one idle core); ``--variants adamw,fp32:auto,8:auto`` picks variants:
-``BITS:PARTITION[:1d-element]`` with BITS in fp32/8/4 and PARTITION auto/element/tensor/INT.
+Run: ``python benchmarks/gefen_quality.py`` (200 steps, lr 2e-3, about 2 minutes per
+variant on one idle core); ``--variants adamw,fp32:auto,8:auto`` picks variants,
+``BITS:PARTITION[:1d-element]``, BITS in fp32/8/4, PARTITION auto/element/tensor/INT.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ DEFAULT_VARIANTS = (
 )
 
 
-def make_optimizer(spec: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    spec: str, model: torch.nn.Module, lr: float
+) -> torch.optim.Optimizer:
     if spec == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-2)
     bits, partition, *extra = spec.split(":")
