@@ -90,17 +90,19 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     single, tensors = per_rank_state(1)[0]
-    codebook = 4 * 256
+    # kept whole on every rank: the codebook and each tensor's 0-dim step (fp32),
+    # period and qblock (int64)
+    replicated = 4 * 256 + tensors * (4 + 8 + 8)
     print(f"GPT(GPTConfig()): {tensors} tensors, single-process state {single} B")
     print(
-        "| N | max per-rank B | (single - codebook)/N + codebook | excess B "
+        "| N | max per-rank B | (single - replicated)/N + replicated | excess B "
         "| bound 8 B x tensors | excess / bound |"
     )
     print("|---|---|---|---|---|---|")
     for world in args.ranks:
         ranks = per_rank_state(world)
         worst = max(b for b, _ in ranks)
-        share = (single - codebook) / world + codebook
+        share = (single - replicated) / world + replicated
         bound = 8 * tensors if world > 1 else 0
         excess = worst - share
         ratio = f"{excess / bound:.2f}" if bound else "-"

@@ -1,17 +1,18 @@
-"""Every optimizer of benchmarks/_peers.py on the same models, data, init and steps.
+"""Every optimizer of leantrain/peers.py on the same models, data, init and steps.
 
 Prints one table per model:
 
 * **state B/param** -- bytes of every tensor in ``opt.state`` (tensor subclasses
   such as torchao's are opened into their inner tensors) plus the peer's top-level
-  tensors (``_peers.extra_state_tensors``), each storage counted once, divided by
-  the number of parameters.
-* **peak step MiB** -- extra resident memory during ``step()``: VmHWM is reset by
-  writing "5" to ``/proc/self/clear_refs`` just before the step (after glibc's
-  ``malloc_trim(0)`` hands freed heap pages back), and the step's peak is VmHWM
-  (``/proc/self/status``) after it minus VmRSS before it; the largest over the
-  steps after the first (the first allocates the state). Freed memory the allocator
-  still holds and reuses is not seen, so this is a lower bound on the temporaries.
+  tensors (``leantrain.peers.extra_state_tensors``), each storage counted once,
+  divided by the number of parameters.
+* **peak step MiB** -- extra resident memory during ``step()``
+  (``leantrain.peers.measured_step``): VmHWM is reset by writing "5" to
+  ``/proc/self/clear_refs`` just before the step (after glibc's ``malloc_trim(0)``
+  hands freed heap pages back), and the step's peak is VmHWM (``/proc/self/status``)
+  after it minus VmRSS before it; the largest over the steps after the first (the
+  first allocates the state). Freed memory the allocator still holds and reuses is
+  not seen, so this is a lower bound on the temporaries.
 * **step ms** -- median ``step()`` time after the first step, and its ratio to
   AdamW (foreach) measured in the same run; **first s** -- the first ``step()``
   (partitions, codebooks, compilation).
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import gc
 import math
 import os
@@ -47,63 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _peers import PEERS, extra_state_tensors  # noqa: E402
+from leantrain.peers import PEERS, measured_step, state_nbytes
 
 BASELINE = "adamw-foreach"
-try:  # glibc: malloc_trim lets the step's temporaries show up as new pages
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
-except OSError:
-    _LIBC = None
-
-
-# --- memory and state accounting ---------------------------------------------------
-
-
-def _proc_status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> bool:
-    """Returns freed heap memory to the OS, then resets VmHWM to the current RSS."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _inner_tensors(value: object) -> list[Tensor]:
-    """Plain tensors inside a state value; opens tensor subclasses (torchao)."""
-    if isinstance(value, Tensor):
-        if type(value) is not Tensor and hasattr(value, "__tensor_flatten__"):
-            names, _ = value.__tensor_flatten__()
-            return [t for n in names for t in _inner_tensors(getattr(value, n))]
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _inner_tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _inner_tensors(v)]
-    return []
-
-
-def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's state tensors, each storage counted once."""
-    tensors = _inner_tensors(list(optimizer.state.values()))
-    tensors += extra_state_tensors(optimizer)
-    sizes = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        # A live allocation has one address; empty storages (address 0) weigh 0.
-        sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
-    return sum(sizes.values())
 
 
 # --- models and data ---------------------------------------------------------------
@@ -221,20 +167,15 @@ def run_one(task: Task, init: dict, peer: str, weight_decay: float) -> Result:
             loss = task.loss(model, batch)
             loss.backward()
             result.losses.append(loss.item())
-            tracked = _reset_peak_rss()
-            rss_before = _proc_status_kib("VmRSS")
-            t0 = time.perf_counter()
-            opt.step()
-            elapsed = time.perf_counter() - t0
-            peak = _proc_status_kib("VmHWM") - rss_before
+            elapsed, peak = measured_step(opt)
             if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
                 raise FloatingPointError(f"non-finite parameters after step {i + 1}")
             if i == 0:
                 result.first_s = elapsed
             else:
                 times.append(elapsed)
-                if tracked:
-                    peaks.append(peak / 1024)
+                if peak is not None:
+                    peaks.append(peak / 2**20)
         result.step_ms = 1e3 * statistics.median(times) if times else math.nan
         result.peak_mib = max(peaks) if peaks else math.nan
         result.state_bpp = state_nbytes(opt) / task.params

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from . import _checkpoint, _checks, _dist
+from . import _checks, _dist
 from . import _reducible_partition as _partition
 from ._fused import fused_step
 from ._sharded import (
@@ -27,23 +27,15 @@ from ._sharded import (
     new_local_state,
     partial_absmax,
 )
-from ._state import new_state, qblock_for, share_codebooks, state_bits
+from ._state import new_state, qblock_for, state_bits
+from ._state_dict import fresh as _fresh
+from ._state_dict import label as _label
+from ._state_dict import load_post_hook, load_pre_hook, state_dict_post_hook
 
 __all__ = ["Gefen"]
 
 # Histogram bins of the first-gradient codebook (codebook.histogram's default).
 BINS = 4096
-
-# Keys kept on the CPU (0-dim bookkeeping, like torch's non-capturable `step`).
-_HOST_KEYS = ("step", "period", "qblock")
-
-
-def _label(group: dict, position: int, param: Tensor, index: int) -> str:
-    """Names a parameter in messages: its name when the groups carry names."""
-    names = group.get("param_names")
-    if names is not None and position < len(names):
-        return f"parameter '{names[position]}' (shape {tuple(param.shape)})"
-    return f"parameter {index} (shape {tuple(param.shape)})"
 
 
 class Gefen(Optimizer):
@@ -115,9 +107,9 @@ class Gefen(Optimizer):
         self.nonfinite = nonfinite
         self.nonfinite_steps = 0
         super().__init__(params, defaults)
-        self.register_load_state_dict_pre_hook(_load_pre_hook)
-        self.register_state_dict_post_hook(_state_dict_post_hook)
-        self.register_load_state_dict_post_hook(_load_post_hook)
+        self.register_load_state_dict_pre_hook(load_pre_hook)
+        self.register_state_dict_post_hook(state_dict_post_hook)
+        self.register_load_state_dict_post_hook(load_post_hook)
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a param group, validating its options and parameters."""
@@ -368,16 +360,16 @@ class Gefen(Optimizer):
         if not _dist.is_sharded(param):
             return None
         cache = self.__dict__.setdefault("_layouts", {})
-        key = (id(param), int(self.state[param]["period"]))
-        if key not in cache:
+        period = int(self.state[param]["period"])
+        if param not in cache or cache[param][0] != period:
             state = self.state[param]
-            period = int(state["period"])
             qblock = int(state["qblock"]) if "qblock" in state else period
             shared_v = _dist.shared_for(param, period)
             shared_q = _dist.shared_for(param, qblock) if "qblock" in state else []
             span = _dist.my_span(param)
-            cache[key] = (span, shared_v, shared_q) if shared_v or shared_q else None
-        return cache[key]
+            layout = (span, shared_v, shared_q) if shared_v or shared_q else None
+            cache[param] = (period, layout)
+        return cache[param][1]
 
     def _straddling_step(self, items: list[tuple[dict, Tensor, tuple]]) -> None:
         """Steps sharded parameters whose blocks straddle ranks: local halves
@@ -417,104 +409,3 @@ class Gefen(Optimizer):
                 eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]),
             )
-
-
-def _load_pre_hook(optimizer: Gefen, state_dict: dict) -> dict | None:
-    """Validates a Gefen state dict and keeps its per-parameter state aside.
-
-    torch's ``load_state_dict`` casts every floating-point parameter's state to the
-    parameter dtype (uint8 codes and int64 periods included). Gefen's state has
-    fixed dtypes, so the per-parameter state is taken out here and installed
-    unchanged (moved to the parameter's device) by ``_load_post_hook``.
-    """
-    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
-    if len(groups) != len(saved_groups) or any(
-        len(g["params"]) != len(s["params"])
-        for g, s in zip(groups, saved_groups, strict=True)
-    ):
-        return None  # torch raises its own ValueError for these
-    for index, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
-        if "momentum_bits" not in saved or "partition" not in saved:
-            raise ValueError(
-                f"not a Gefen state dict: param group {index} has no 'momentum_bits'/"
-                f"'partition' (its keys: {sorted(saved)})"
-            )
-        if saved["momentum_bits"] != group["momentum_bits"]:
-            raise ValueError(
-                f"param group {index}: the state dict has momentum_bits="
-                f"{saved['momentum_bits']}, this optimizer momentum_bits="
-                f"{group['momentum_bits']}"
-            )
-        _checks.check_group({**saved, "betas": tuple(saved["betas"])})
-    id_map, where = {}, {}
-    index = 0
-    for group, saved in zip(groups, saved_groups, strict=True):
-        for position, (param, saved_id) in enumerate(
-            zip(group["params"], saved["params"], strict=True)
-        ):
-            id_map[saved_id] = param
-            where[saved_id] = (group, position, index, saved["momentum_bits"])
-            index += 1
-    pending = {}
-    for saved_id, state in state_dict["state"].items():
-        if saved_id not in id_map:
-            continue
-        group, position, index, bits = where[saved_id]
-        param = id_map[saved_id]
-        label = _label(group, position, param, index)
-        _checkpoint.check_checkpoint(state, param, bits, group["partition"], label)
-        pending[param] = _checkpoint.from_checkpoint(state, param, bits)
-    optimizer._pending_state = pending
-    rest = {k: v for k, v in state_dict["state"].items() if k not in id_map}
-    return {**state_dict, "state": rest}
-
-
-def _fresh(state: dict) -> bool:
-    """True for a parameter without state or with a provisional one (period 0)."""
-    return not state or int(state["period"]) == 0
-
-
-def _state_dict_post_hook(optimizer: Gefen, state_dict: dict) -> dict:
-    """Puts every parameter's state in the checkpoint layout (``_checkpoint``).
-
-    Under FSDP2 this runs one MAX all_reduce over the concatenated block vectors of
-    all sharded parameters, so every rank must call ``state_dict()`` (DCP does).
-    """
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    groups = [g for g in optimizer.param_groups for _ in g["params"]]
-    items = []
-    for index, saved in state_dict["state"].items():
-        if not saved or index >= len(params):
-            continue
-        param, group = params[index], groups[index]
-        vectors = _checkpoint.local_vectors(param, saved, group["partition"])
-        items.append((index, param, group, saved, vectors))
-    sharded = [it for it in items if _dist.is_sharded(it[1])]
-    if sharded:
-        flat = torch.cat([v for it in sharded for v in it[4].values()])
-        flat = _dist.all_reduce(flat, "max", _dist.group_of(sharded[0][1]))
-        pos = 0
-        for it in sharded:
-            for key, value in it[4].items():
-                it[4][key] = flat[pos : pos + value.numel()]
-                pos += value.numel()
-    for index, param, group, saved, vectors in items:
-        state_dict["state"][index] = _checkpoint.to_checkpoint(
-            param, saved, group["momentum_bits"], group["partition"], vectors
-        )
-    return state_dict
-
-
-def _load_post_hook(optimizer: Gefen) -> None:
-    """Installs the kept state (fp32 as saved) and re-shares the codebooks."""
-    pending = optimizer.__dict__.pop("_pending_state", {})
-    copies: dict[int, Tensor] = {}  # keeps tensors shared in the checkpoint shared
-    for param, saved in pending.items():
-        state = {}
-        for key, value in saved.items():
-            if id(value) not in copies:
-                device = "cpu" if key in _HOST_KEYS else param.device
-                copies[id(value)] = value.to(device=device, copy=True)
-            state[key] = copies[id(value)]
-        optimizer.state[param] = state
-    share_codebooks(list(optimizer.state.values()))

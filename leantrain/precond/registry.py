@@ -160,7 +160,7 @@ PRECOND_METHODS: dict[str, MethodSpec] = {
         "NaturalGradientMaker",
         config={"damping": 1e-1},
         kwargs={"fisher_type": "fisher_mc", "shape": "unit"},
-        lr=0.1,
+        lr=0.03,
     ),
     "ng_diag": _spec(
         "natural_gradient",
