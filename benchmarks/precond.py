@@ -53,6 +53,7 @@ MODELS = {
     "cnn": lambda: CNN(widths=(16, 32, 32)),
     "tiny": lambda: MLP((64, 16, 10)),
 }
+DENSE_LIMIT = 4096  # parameters: dense P x P methods run on the tiny model only
 BASELINES = {"sgd": 0.1, "adamw": 3e-3}  # learning rates (AdamW: the better of
 # 1e-3 and 3e-3 at 500 steps on the MLP, docs/precond_methods_kron.md)
 
@@ -83,6 +84,9 @@ def run_one(method, base, x, y, batches, eval_every):
         gm = GradientMaker(model)
     else:
         spec = PRECOND_METHODS[method]
+        size = sum(p.numel() for p in model.parameters())
+        if spec.dense and size > DENSE_LIMIT:
+            return None, [], f"n/a: dense {size}x{size} matrix (tiny model only)"
         try:
             gm = make_gradient_maker(method, model)
         except MethodUnavailableError as err:

@@ -14,13 +14,9 @@ model/data pairing one entry in :data:`TASKS`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import json
 import math
-import platform
 import shlex
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import leantrain
+from leantrain._report import progress_bar, torch_threads, versions, write_report
 from leantrain.data import (
     TensorBatches,
     TokenBatches,
@@ -286,20 +282,6 @@ def write_plot(results: Sequence[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
-def versions() -> dict[str, str]:
-    """Versions and the torch thread count, for the record of a run."""
-    import numpy
-
-    return {
-        "leantrain": leantrain.__version__,
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch threads": str(torch.get_num_threads()),
-    }
-
-
 def resolve_defaults(args: argparse.Namespace) -> TaskSpec:
     """Fill ``--steps/--batch-size/--lr/--data`` left unset from the model's spec."""
     spec = TASKS[args.model]
@@ -309,60 +291,6 @@ def resolve_defaults(args: argparse.Namespace) -> TaskSpec:
     if args.data is None:
         args.data = spec.default_data
     return spec
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int | None) -> Iterator[None]:
-    """Use ``threads`` torch threads inside; callers (tests) keep their own after."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def progress_bar(total: int):  # noqa: ANN201 - a tqdm bar
-    """A progress bar on stderr (stdout holds the table)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, file=sys.stderr)
-
-
-def write_report(
-    out: Path,
-    *,
-    command: str,
-    settings: str,
-    explanation: str,
-    table: str,
-    after: str,
-    record: dict,
-    plot: Callable[[Path], None],
-) -> None:
-    """Write ``compare.md`` (text + table), ``compare.json`` and ``compare.png``."""
-    out.mkdir(parents=True, exist_ok=True)
-    md = [
-        "# leantrain compare",
-        "",
-        f"Command: `{command}`",
-        "",
-        settings + ". " + explanation,
-        "",
-        table,
-        "",
-        after,
-        "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()),
-        "",
-        "![loss curves and state bytes](compare.png)",
-        "",
-    ]
-    (out / "compare.md").write_text("\n".join(md))
-    (out / "compare.json").write_text(json.dumps(record, indent=1))
-    plot(out / "compare.png")
-    print(f"wrote {out / 'compare.md'}, {out / 'compare.png'}", file=sys.stderr)
 
 
 def run_compare(args: argparse.Namespace) -> list[RunResult]:

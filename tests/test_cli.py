@@ -2,18 +2,25 @@
 
 import json
 import math
+import re
 import time
 
 import pytest
 import torch
 
-from leantrain.cli import METRICS, OPTIMIZERS, main
+from leantrain.cli import main
+from leantrain.compare import METRICS, OPTIMIZERS
+from leantrain.compare_peers import PEER_COLUMNS
 from leantrain.data import load_stdlib_text
 
 
 def _table_rows(markdown: str) -> list[list[str]]:
     lines = [ln for ln in markdown.splitlines() if ln.startswith("| ")]
-    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    # Cells are split on "|" that is not escaped as "\|".
+    return [
+        [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", ln[1:-1])]
+        for ln in lines
+    ]
 
 
 def _run(tmp_path, capsys, *extra, tiny=True):
@@ -157,6 +164,129 @@ def test_block_size_longer_than_text_exits_2(capsys, tmp_path):
         main(["compare", "--data", str(short), "--steps", "1", "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_compare_peers_mlp_table_and_files(tmp_path, capsys):
+    out, stdout = _run(
+        tmp_path,
+        capsys,
+        *("--model", "mlp", "--steps", "3", "--batch-size", "8"),
+        *("--peers", "adamw-fused,gefen-8bit"),
+    )
+    md = (out / "compare.md").read_text()
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads((out / "compare.json").read_text())
+    assert "/proc/self/clear_refs" in md and "VmHWM" in md
+    rows = _table_rows(md)
+    assert rows == _table_rows(stdout)
+    header, body = rows[0], rows[2:]
+    assert header == PEER_COLUMNS
+    # The baseline of the ratio is run even when not asked for, first.
+    names = [r["name"] for r in record["results"]]
+    assert (
+        names == [r[0] for r in body] == ["adamw-foreach", "adamw-fused", "gefen-8bit"]
+    )
+    results = {r["name"]: r for r in record["results"]}
+    assert all(r["status"] == "ok" for r in results.values()), results
+    base = results["adamw-foreach"]
+    for row in body:
+        res = results[row[0]]
+        assert row[1] == f"{res['state_bytes_per_param']:.3f}"
+        assert row[3] == f"{res['step_ms']:.2f}"
+        assert row[4] == f"{res['step_ms'] / base['step_ms']:.2f}"
+        assert row[6] == f"{res['val_loss']:.4f}"
+        assert res["first_step_s"] > 0 and res["peak_step_mib"] >= 0
+        assert len(res["train_losses"]) == 3
+    # AdamW state: two fp32 moments + a 4-byte step per tensor, independent of how
+    # it is stepped; Gefen 8-bit about 1 byte per parameter.
+    n_params = 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
+    for name in ("adamw-foreach", "adamw-fused"):
+        assert results[name]["state_bytes_per_param"] == pytest.approx(
+            8 + 4 * 6 / n_params
+        )
+    assert 0.9 < results["gefen-8bit"]["state_bytes_per_param"] < 1.5
+    # Same init, same batches: foreach and fused AdamW are one algorithm.
+    assert results["adamw-fused"]["train_losses"] == pytest.approx(
+        base["train_losses"], rel=1e-5
+    )
+    assert results["gefen-8bit"]["train_losses"][0] == base["train_losses"][0]
+
+
+def test_compare_precond_table_target_and_unavailable(tmp_path, capsys, monkeypatch):
+    from leantrain.precond.registry import PRECOND_METHODS, MethodSpec
+
+    # A registered method whose module is not there must be listed, not dropped.
+    monkeypatch.setitem(
+        PRECOND_METHODS, "ghost", MethodSpec("leantrain.precond.no_such", "Nope")
+    )
+    out, stdout = _run(
+        tmp_path,
+        capsys,
+        *("--steps", "4", "--batch-size", "16", "--precond", "kfac,shampoo,ghost"),
+    )
+    md = (out / "compare.md").read_text()
+    record = json.loads((out / "compare.json").read_text())
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert record["settings"].startswith("MLP")  # small model by default
+    assert "small models" in md
+    rows = _table_rows(md)
+    assert rows == _table_rows(stdout)
+    body = rows[2:]
+    assert [r[0] for r in body] == ["sgd", "adamw", "kfac", "shampoo", "ghost"]
+    results = {r["name"]: r for r in record["results"]}
+    assert results["ghost"]["status"].startswith("unavailable")
+    assert "no_such" in body[4][1]
+    ran = [results[n] for n in ("sgd", "adamw", "kfac", "shampoo")]
+    assert all(r["status"] == "ok" for r in ran), ran
+    # Same init and first batch everywhere: the first losses agree.
+    assert {round(r["train_losses"][0], 5) for r in ran} == {
+        round(ran[0]["train_losses"][0], 5)
+    }
+    # Target: AdamW's train loss, the mean of the last 10% (here 1) of its steps.
+    window = max(1, 4 // 10)
+    adamw_tail = results["adamw"]["train_losses"][-window:]
+    assert record["target"] == pytest.approx(sum(adamw_tail) / window)
+    for row, r in zip(body, ran, strict=False):
+        assert row[2] == f"{r['step_ms'] / results['sgd']['step_ms']:.2f}"
+        assert row[3] == f"{r['train_loss']:.4f}" and row[4] == f"{r['val_loss']:.4f}"
+        # Steps to target, recomputed: first full window whose mean <= target.
+        means = [
+            sum(r["train_losses"][s - window : s]) / window
+            for s in range(window, len(r["train_losses"]) + 1)
+        ]
+        hit = next(
+            (
+                s
+                for s, m in zip(range(window, 5), means, strict=True)
+                if m <= record["target"]
+            ),
+            None,
+        )
+        assert r["steps_to_target"] == hit
+        assert row[5] == ("-" if hit is None else str(hit))
+    assert results["adamw"]["steps_to_target"] is not None
+    # Preconditioning costs time: K-FAC and Shampoo steps are slower than SGD's.
+    assert results["kfac"]["step_ms"] > results["sgd"]["step_ms"]
+    assert results["shampoo"]["step_ms"] > results["sgd"]["step_ms"]
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--peers", "adamw-fused,nope"], ["nope", "gefen-8bit", "adafactor"]),
+        (["--peers", "gefen-8bit,gefen-8bit"], ["twice"]),
+        (["--precond", "kfac,nope"], ["nope", "shampoo", "kfac"]),
+        (["--precond", ""], ["preconditioning method", "kfac"]),
+        (["--peers", "--precond", "kfac"], ["not allowed with"]),
+        (["--optimizers", "adamw", "--peers"], ["not allowed with"]),
+    ],
+)
+def test_bad_peer_and_method_names_exit_2(argv, needles, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--out", str(tmp_path), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles), err
 
 
 @pytest.mark.slow

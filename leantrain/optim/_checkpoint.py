@@ -87,7 +87,7 @@ def _like_param(param: Tensor, value: Tensor, global_shape: tuple[int, ...]):
     if not _dist.is_dtensor(param):
         return value
     stride = tuple(math.prod(global_shape[i + 1 :]) for i in range(len(global_shape)))
-    return _dist.DTensor.from_local(
+    return _dist.dtensor_api().DTensor.from_local(
         value,
         param.device_mesh,
         param.placements,
@@ -137,10 +137,10 @@ def to_checkpoint(
             chunk = -(-length // world)
             k = param.device_mesh.get_local_rank()
             piece = full[min(k * chunk, length) : min((k + 1) * chunk, length)]
-            out[key] = _dist.DTensor.from_local(
+            out[key] = _dist.dtensor_api().DTensor.from_local(
                 piece.clone(),
                 param.device_mesh,
-                [_dist.Shard(0)],
+                [_dist.dtensor_api().Shard(0)],
                 run_check=False,
                 shape=torch.Size((length,)),
                 stride=(1,),

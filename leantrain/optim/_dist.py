@@ -18,6 +18,7 @@ ranks are known without communication.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -25,15 +26,22 @@ from torch import Tensor
 
 from ._sharded import Span, block_window, shared_blocks
 
-try:  # DTensor moved out of _tensor in torch 2.5
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - older torch
-    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
-
 
 def is_dtensor(t: object) -> bool:
-    """True for a DTensor (FSDP2 parameters and gradients)."""
-    return DTensor is not None and isinstance(t, DTensor)
+    """True for a DTensor (FSDP2 parameters and gradients).
+
+    A DTensor exists only once ``torch.distributed.tensor`` is imported, so this
+    module never imports it itself (that import costs seconds at start-up).
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def dtensor_api():
+    """``torch.distributed.tensor`` (DTensor, Shard, Replicate), imported on use."""
+    import torch.distributed.tensor as api
+
+    return api
 
 
 def local(t: Tensor) -> Tensor:
@@ -42,8 +50,10 @@ def local(t: Tensor) -> Tensor:
 
 
 def _check_layout(param: Tensor) -> None:
+    api = dtensor_api()
     mesh, placements = param.device_mesh, tuple(param.placements)
-    ok = mesh.ndim == 1 and (placements == (Shard(0),) or placements == (Replicate(),))
+    allowed = ((api.Shard(0),), (api.Replicate(),))
+    ok = mesh.ndim == 1 and placements in allowed
     if not ok:
         raise ValueError(
             f"Gefen supports DTensor parameters on a 1-D mesh with placements "
@@ -57,7 +67,8 @@ def is_sharded(param: Tensor) -> bool:
     if not is_dtensor(param):
         return False
     _check_layout(param)
-    return tuple(param.placements) == (Shard(0),) and param.device_mesh.size() > 1
+    shard0 = (dtensor_api().Shard(0),)
+    return tuple(param.placements) == shard0 and param.device_mesh.size() > 1
 
 
 def all_spans(param: Tensor) -> list[Span]:

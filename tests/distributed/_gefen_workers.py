@@ -105,8 +105,31 @@ def ddp_and_fsdp2(rank: int, world: int) -> dict:
         out[f"fsdp{bits}"] = (full_params(model), summary(opt))
         out[f"ref{bits}"] = (ref_params, ref_summary)
     out["init"] = sharded_init(rank, world)
+    out["nonfinite"] = nonfinite_on_one_rank(rank, world)
     dist.barrier()
     return out
+
+
+def nonfinite_on_one_rank(rank: int, world: int) -> dict:
+    """A NaN in the last rank's shard only: every rank skips the step together."""
+    import warnings
+
+    model = shard(make_model())
+    opt = make_optimizer(model)
+    train(model, opt, 2, world, rank)
+    before = full_params(model)
+    x, y = batch(2)
+    (model(x) - y).square().mean().backward()
+    if rank == world - 1:
+        model[0].weight.grad.to_local().view(-1)[-1] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        opt.step()
+    after = full_params(model)
+    return {
+        "skipped": opt.nonfinite_steps,
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+    }
 
 
 def sharded_init(rank: int, world: int) -> dict:

@@ -54,6 +54,7 @@ def check_training(results: list[dict], world: int) -> None:
             train["init"]["summary"]["codebook"], init_summary["codebook"]
         )
         assert _rel(train["init"]["params"], init_ref) <= 1e-5
+        assert train["nonfinite"] == {"skipped": 1, "unchanged": True}, rank
     for out in results[1:]:  # every rank holds the same global parameters
         assert _exact(out["train"]["fsdp8"][0], results[0]["train"]["fsdp8"][0])
 

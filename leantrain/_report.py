@@ -1,0 +1,101 @@
+"""Shared by the ``leantrain compare`` variants: threads, progress, the report files.
+
+Every variant prints one table and writes ``compare.md`` (command, settings, table,
+versions), ``compare.json`` (every number) and ``compare.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+import leantrain
+
+
+def versions() -> dict[str, str]:
+    """Versions and the torch thread count, for the record of a run."""
+    import numpy
+
+    return {
+        "leantrain": leantrain.__version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch threads": str(torch.get_num_threads()),
+    }
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Use ``threads`` torch threads inside; callers (tests) keep their own after."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def progress_bar(total: int):  # -> tqdm (imported late: only the CLI needs it)
+    """A progress bar on stderr (stdout holds the table)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, file=sys.stderr)
+
+
+def write_report(
+    out: Path,
+    *,
+    command: str,
+    settings: str,
+    explanation: str,
+    table: str,
+    after: str,
+    record: dict,
+    plot: Callable[[Path], None],
+) -> None:
+    """Write ``compare.md`` (text + table), ``compare.json`` and ``compare.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = [
+        "# leantrain compare",
+        "",
+        f"Command: `{command}`",
+        "",
+        settings + ". " + explanation,
+        "",
+        table,
+        "",
+        after,
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()),
+        "",
+        "![loss curves and state bytes](compare.png)",
+        "",
+    ]
+    (out / "compare.md").write_text("\n".join(md))
+    (out / "compare.json").write_text(json.dumps(record, indent=1))
+    plot(out / "compare.png")
+    print(f"wrote {out / 'compare.md'}, {out / 'compare.png'}", file=sys.stderr)
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at every index (fewer at the start)."""
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
+        for i in range(len(values))
+    ]
+
+
+def markdown_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as a Markdown table (``|`` inside a cell escaped as ``\\|``)."""
+    return "\n".join(
+        "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows
+    )
