@@ -166,6 +166,14 @@ def run(demo_fn: Callable[[argparse.Namespace], Demo], args) -> dict:
         f" {args.procs} processes, switch at step {int(args.switch_at * args.steps)})"
     )
     print(f"relative difference {100 * rel:+.2f}%  (target: within 2%)")
+    # One evaluation of a small validation set fluctuates from step to step; the
+    # mean of the last four evaluations is the steadier comparison.
+    s_tail = sum(v for _, v in serial["curve"][-4:]) / 4
+    p_tail = sum(v for _, v in parallel["curve"][-4:]) / 4
+    print(
+        f"mean of the last 4 evaluations: serial {s_tail:.4f}, parallel->serial "
+        f"{p_tail:.4f} ({100 * (p_tail - s_tail) / s_tail:+.2f}%)"
+    )
     print(f"controller decisions (batch, action, factor): {parallel['records']}")
     _plot(demo.name, serial, parallel, args)
     return {"serial": serial, "parallel": parallel, "relative": rel}

@@ -61,6 +61,12 @@ class Gefen(Optimizer):
         nonfinite: what a step does when a gradient holds NaN or inf: "skip" (leave
             every parameter and all state untouched, count it in
             ``nonfinite_steps`` and warn) or "raise" (``FloatingPointError``).
+        stochastic_rounding: round the updated bf16/fp16 parameter stochastically
+            (unbiased, so updates smaller than half an ulp are not lost) instead of
+            to nearest. None: on for bf16 parameters, off otherwise. The random bits
+            come from a counter-based hash of the parameter's index in the optimizer,
+            the step and the element index, so a resumed run rounds identically.
+            May be set per param group; no effect on fp32 parameters.
 
     Raises:
         ValueError: an invalid hyper-parameter, naming the value.
@@ -90,11 +96,17 @@ class Gefen(Optimizer):
         partition: str | int = "auto",
         maximize: bool = False,
         nonfinite: str = "skip",
+        stochastic_rounding: bool | None = None,
     ) -> None:
         _checks.check_hyperparameters(lr, betas, eps, weight_decay)
         _checks.check_momentum_bits(momentum_bits)
         _checks.check_partition(partition)
         _checks.check_nonfinite(nonfinite)
+        if stochastic_rounding not in (None, True, False):
+            raise ValueError(
+                "Invalid stochastic_rounding: "
+                f"{stochastic_rounding!r} (allowed: None, True, False)"
+            )
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -103,6 +115,7 @@ class Gefen(Optimizer):
             "momentum_bits": momentum_bits,
             "partition": partition,
             "maximize": maximize,
+            "stochastic_rounding": stochastic_rounding,
         }
         self.nonfinite = nonfinite
         self.nonfinite_steps = 0
@@ -308,6 +321,11 @@ class Gefen(Optimizer):
                 )
         self._init_states(active)
         straddling = []
+        # A parameter's fixed position in the optimizer keys its rounding stream.
+        position = {
+            id(p): i
+            for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+        }
         for group, param, _ in active:
             layout = self._layout(param)
             if layout is not None:
@@ -324,6 +342,8 @@ class Gefen(Optimizer):
                 eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]),
                 maximize=group["maximize"],
+                stochastic_rounding=group.get("stochastic_rounding"),
+                seed=position[id(param)],
             )
         if straddling:
             self._straddling_step(straddling)
