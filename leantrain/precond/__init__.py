@@ -16,34 +16,47 @@ from leantrain.precond.curv import (
 from leantrain.precond.diagonal_fisher import DiagonalEmpiricalFisherGradientMaker
 from leantrain.precond.ekfac import EkfacGradientMaker
 from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
+from leantrain.precond.hessian_free import HessianFreeGradientMaker
 from leantrain.precond.kbfgs import KbfgsGradientMaker
 from leantrain.precond.kfac import KfacGradientMaker
+from leantrain.precond.natural_gradient import NaturalGradientMaker
+from leantrain.precond.newton import NewtonGradientMaker
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
     PreconditioningConfig,
     is_due,
 )
 from leantrain.precond.psgd import PsgdGradientMaker
+from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
+from leantrain.precond.seng import SengGradientMaker
 from leantrain.precond.shampoo import ShampooGradientMaker
+from leantrain.precond.smw_ng import SmwNgGradientMaker
 from leantrain.precond.stand_in import StandIn
 
 __all__ = [
+    "PRECOND_METHODS",
     "KINDS",
     "SHAPES",
     "Curvature",
     "DiagonalEmpiricalFisherGradientMaker",
     "EkfacGradientMaker",
     "GradientMaker",
+    "HessianFreeGradientMaker",
     "KbfgsGradientMaker",
     "KfacGradientMaker",
     "KronFactor",
     "ModuleCurvature",
+    "NaturalGradientMaker",
+    "NewtonGradientMaker",
     "PreconditionedGradientMaker",
     "PreconditioningConfig",
     "PsgdGradientMaker",
+    "SengGradientMaker",
     "ShampooGradientMaker",
+    "SmwNgGradientMaker",
     "StandIn",
     "curvature",
     "is_due",
+    "make_gradient_maker",
     "unwrap_model",
 ]
