@@ -34,8 +34,8 @@ from leantrain.precond.smw_ng import SmwNgGradientMaker
 from leantrain.precond.stand_in import StandIn
 
 __all__ = [
-    "PRECOND_METHODS",
     "KINDS",
+    "PRECOND_METHODS",
     "SHAPES",
     "Curvature",
     "DiagonalEmpiricalFisherGradientMaker",
