@@ -108,8 +108,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default="leantrain-compare", help="output folder (%(default)s)"
     )
+    # One thread by default: timings stay comparable and robust on shared machines
+    # (two threads on two busy cores made steps up to 10x slower here).
     parser.add_argument(
-        "--threads", type=_positive_int, help="torch threads (default: torch's)"
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="torch threads (%(default)s)",
     )
 
 
