@@ -1,4 +1,7 @@
-"""Shared test settings: deterministic seeds and one intra-op thread (the CI machine has 2 cores)."""
+"""Shared test settings: deterministic seeds and one intra-op thread.
+
+The CI machine has two cores; one thread per test process keeps timings stable.
+"""
 
 import pytest
 import torch

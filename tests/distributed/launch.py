@@ -1,9 +1,10 @@
 """Run a function in N spawned processes that share a gloo process group (CPU only).
 
-Every distributed test goes through :func:`run_distributed`: it picks a free TCP port, spawns the
-workers with ``torch.multiprocessing``, gives each one thread (the CI machine has two cores), and
-turns a failure on any rank into one clear exception in the parent. Workers that hang are killed
-after ``timeout`` seconds instead of stalling the suite.
+Every distributed test goes through :func:`run_distributed`: it picks a free TCP port,
+spawns the workers with ``torch.multiprocessing``, gives each one thread (the CI
+machine has two cores), and turns a failure on any rank into one clear exception in
+the parent. Workers that hang are killed after ``timeout`` seconds instead of
+stalling the suite.
 """
 
 from __future__ import annotations
@@ -63,14 +64,17 @@ def _worker(
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
-    ``fn`` must be a module-level function (it is pickled) and its return value picklable (plain
-    tensors, dicts, numbers).
+    ``fn`` must be a module-level function (it is pickled) and its return value
+    picklable (plain tensors, dicts, numbers).
+
+    Returns:
+        Each rank's return value, in rank order.
 
     Raises:
-        RuntimeError: naming every rank that failed, with its traceback, or the ranks that did not
-            finish within ``timeout`` seconds.
+        RuntimeError: naming every rank that failed, with its traceback, or the ranks
+            that did not finish within ``timeout`` seconds.
     """
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()

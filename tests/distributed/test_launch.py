@@ -1,4 +1,4 @@
-"""The launcher itself: results come back per rank, and a failing rank is reported, not hung."""
+"""The launcher itself: results come back per rank; a failing rank is reported."""
 
 import pytest
 import torch
