@@ -15,10 +15,9 @@ from torch.optim import Optimizer
 
 from . import _checks
 from ._muon_math import ADJUST_LR_FNS, check_ns_arguments
-from ._state import check_state, num_blocks, share_codebooks
+from ._state import check_state, num_blocks
 
 # Keys kept on the CPU (0-dim bookkeeping, like torch's non-capturable `step`).
-_HOST_KEYS = ("step", "period", "qblock")
 
 
 def check_muon_options(
@@ -81,8 +80,8 @@ def check_muon_state(state: dict, param: Tensor, bits: int | None, label: str) -
 def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
     """Validates a GefenMuon state dict and keeps its per-parameter state aside.
 
-    The states are installed unchanged by :func:`load_post_hook`; torch's loader
-    only sees the rest (and restores the param groups).
+    The states are installed unchanged by ``_state_dict.load_post_hook`` (shared
+    with Gefen); torch's loader only sees the rest (and restores the param groups).
     """
     groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
     if len(groups) != len(saved_groups) or any(
@@ -119,18 +118,3 @@ def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
     optimizer._pending_state = pending
     rest = {k: v for k, v in state_dict["state"].items() if k not in loaded}
     return {**state_dict, "state": rest}
-
-
-def load_post_hook(optimizer: Optimizer) -> None:
-    """Installs the kept state (dtypes as saved) and re-shares the codebooks."""
-    pending = optimizer.__dict__.pop("_pending_state", {})
-    copies: dict[int, Tensor] = {}  # tensors shared in the checkpoint stay shared
-    for param, saved in pending.items():
-        state = {}
-        for key, value in saved.items():
-            if id(value) not in copies:
-                device = "cpu" if key in _HOST_KEYS else param.device
-                copies[id(value)] = value.to(device=device, copy=True)
-            state[key] = copies[id(value)]
-        optimizer.state[param] = state
-    share_codebooks(list(optimizer.state.values()))

@@ -34,13 +34,9 @@ from ._muon_math import (
     newton_schulz,
     newton_schulz_reference,
 )
-from ._muon_state import (
-    check_muon_options,
-    check_ns_dtype,
-    load_post_hook,
-    load_pre_hook,
-)
+from ._muon_state import check_muon_options, check_ns_dtype, load_pre_hook
 from ._state import new_state, qblock_for, state_bits
+from ._state_dict import load_post_hook  # the same as Gefen's: install state as saved
 from .quant import NearestCode
 
 __all__ = [
