@@ -43,6 +43,9 @@ class QuantTable:
         lut: int16 [ncell], the number of midpoints in lower cells, bitwise NOT
             where the cell holds a midpoint itself.
         steps: the most midpoints any one cell holds (comparisons needed).
+        entry: int64 [ncell], the C kernel's one-load form of ``lut`` for
+            ``steps <= 1``: high 32 bits the count j of midpoints in lower cells,
+            low 32 bits the fp32 bits of ``mid[j]`` (so k(x) = j + (x > mid[j])).
     """
 
     codebook: Tensor
@@ -51,6 +54,7 @@ class QuantTable:
     first: Tensor
     lut: Tensor
     steps: int
+    entry: Tensor
 
 
 def cell_index(y: Tensor, ncell: int) -> Tensor:
@@ -89,14 +93,20 @@ def build_table(codebook: Tensor) -> QuantTable:
     # cells are non-decreasing (mids ascending), so a search counts lower cells
     lut = torch.searchsorted(cells, torch.arange(CELLS), side="left")
     per_cell = torch.bincount(cells, minlength=CELLS)
+    mid = torch.cat([mids, torch.tensor([float("inf")])]).contiguous()
+    # A cell without a midpoint gets mid[j], which lies in a higher cell, so the
+    # comparison is false there and the entry is right for every cell.
+    mid_bits = mid[lut].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    entry = (lut.to(torch.int64) << 32) | mid_bits
     lut = torch.where(per_cell > 0, ~lut, lut)
     return QuantTable(
         codebook=cb,
         uniq=uniq.contiguous(),
-        mid=torch.cat([mids, torch.tensor([float("inf")])]).contiguous(),
+        mid=mid,
         first=first.to(torch.uint8).contiguous(),
         lut=lut.to(torch.int16).contiguous(),
         steps=int(per_cell.max()) if mids.numel() else 0,
+        entry=entry.contiguous(),
     )
 
 

@@ -88,6 +88,24 @@ def test_nearest_code_on_learned_codebooks_uses_one_comparison():
         assert torch.equal(nearest(u).long(), nearest_reference(u, cb))
 
 
+def test_kernel_entry_table_is_exact_on_learned_codebooks():
+    """The C kernel's one-load table (count << 32 | bits of mid[count]) of the
+    cell gives the exact nearest value with one comparison."""
+    from leantrain.optim._quant_table import build_table, cell_index
+
+    torch.manual_seed(1)
+    g = torch.randn(64, 512) * torch.rand(64, 1)
+    for k in (16, 256):
+        cb = learn_codebook(histogram(g, 512), k)
+        table = build_table(cb)
+        assert table.steps == 1 and table.entry.dtype == torch.int64
+        u = probe_values(cb, k).clamp(-1, 1)
+        e = table.entry[cell_index(u, table.entry.numel())]
+        mid = (e & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+        j = (e >> 32) + (u > mid).long()
+        assert torch.equal(table.first.long()[j], nearest_reference(u, cb))
+
+
 def test_nearest_code_exact_ties_go_low():
     cb = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0])
     u = torch.tensor([-0.75, -0.25, 0.25, 0.75, 0.2500001, 1.5, -1.5])

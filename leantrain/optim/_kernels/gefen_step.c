@@ -58,7 +58,9 @@
  * holds midpoints, for the torch fallback), and `steps` comparisons j += x > mid[j]
  * count the cell's own midpoints below x. With 16384 cells (1/4 of a codebook
  * histogram bin) a learned codebook's midpoints, which are at least 3/4 of a bin
- * apart, never share a cell: steps = 1. Exact for any sorted codebook.
+ * apart, never share a cell: steps = 1. Exact for any sorted codebook. For such a
+ * codebook the kernel reads entry[cell] = j << 32 | bits(mid[j]) instead: one 8-byte
+ * load yields j and the midpoint to compare with (no load that depends on another).
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,6 +88,7 @@ typedef struct {
   const float *mid;      /* [nuniq] midpoints, mid[nuniq-1] = +inf (sentinel) */
   const uint8_t *first;  /* [nuniq] lowest code holding uniq[k] */
   const int16_t *lut;    /* [ncell] midpoints in lower cells (~count: cell has some) */
+  const uint64_t *entry; /* [ncell] j = that count << 32 | fp32 bits of mid[j] */
   int32_t ncodes;        /* 2**bits */
   int32_t nuniq;
   int32_t ncell;
@@ -251,51 +254,84 @@ LT_SCALAR static void lt_take_codebook(const float *restrict cb,
 }
 
 /* m over [a, a + len) into m_out (g: the gradient of those elements); returns
-   sum(g^2) from 8 double sums (vectorizes). lerp is torch's: fma(w, b - a, a) for
-   w < 0.5, else fma(w - 1, b - a, b). */
+   sum(g^2) from 8 double sums and, through *amax, max |m| (with 8-bit or 4-bit
+   codes; max over the float bit patterns with the sign cleared: for non-negative floats
+   the integer order is the float order, it vectorizes, and a NaN wins, as in
+   torch's amax, so it propagates). One vectorized loop after the scalar code lookup: the
+   momentum, its absmax and sum(g^2) in a single pass over the L1-resident
+   buffer. lerp is torch's: fma(w, b - a, a) for w < 0.5, else fma(w - 1, b - a, b). */
 static double lt_momentum(const float *restrict g, const uint8_t *restrict codes,
                           const float *restrict mom, int bits, int packed,
                           const float *restrict cb, float amax_old, const lt_hyper *h,
-                          int64_t a, int64_t len, float *restrict m_out) {
+                          int64_t a, int64_t len, float *restrict m_out,
+                          float *restrict amax) {
   const float sign = h->sign;
   const int small = h->w1 < 0.5f;
   const float wc = small ? h->w1 : h->w1 - 1.0f;
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint32_t top[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
   if (bits) {
     lt_take_codebook(cb, codes, bits, packed, a, len, m_out);
-    for (int64_t k = 0; k < len; k++) {
-      float old = m_out[k] * amax_old, gk = g[k] * sign;
-      m_out[k] = fmaf(wc, gk - old, small ? old : gk);
+#ifdef __AVX2__
+    /* the same arithmetic, lane j of the vectors being acc[j] / top[j] below */
+    const __m256 v_amax = _mm256_set1_ps(amax_old), v_sign = _mm256_set1_ps(sign);
+    const __m256 v_wc = _mm256_set1_ps(wc);
+    const __m256i v_abs = _mm256_set1_epi32(0x7fffffff);
+    __m256i v_top = _mm256_setzero_si256();
+    __m256d v_lo = _mm256_setzero_pd(), v_hi = _mm256_setzero_pd();
+    for (; k + 8 <= len; k += 8) {
+      const __m256 gg = _mm256_loadu_ps(g + k);
+      const __m256 old = _mm256_mul_ps(_mm256_loadu_ps(m_out + k), v_amax);
+      const __m256 gk = _mm256_mul_ps(gg, v_sign);
+      const __m256 m = _mm256_fmadd_ps(v_wc, _mm256_sub_ps(gk, old), small ? old : gk);
+      _mm256_storeu_ps(m_out + k, m);
+      v_top = _mm256_max_epu32(v_top, _mm256_and_si256(_mm256_castps_si256(m), v_abs));
+      const __m256 g2 = _mm256_mul_ps(gg, gg);
+      v_lo = _mm256_add_pd(v_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(g2)));
+      v_hi = _mm256_add_pd(v_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(g2, 1)));
     }
+    _mm256_storeu_si256((__m256i *)top, v_top);
+    _mm256_storeu_pd(acc, v_lo);
+    _mm256_storeu_pd(acc + 4, v_hi);
+#endif
+    for (; k + 8 <= len; k += 8) {
+      for (int j = 0; j < 8; j++) {
+        const float old = m_out[k + j] * amax_old, gk = g[k + j] * sign;
+        const float m = fmaf(wc, gk - old, small ? old : gk);
+        m_out[k + j] = m;
+        uint32_t u;
+        memcpy(&u, &m, sizeof u);
+        u &= 0x7fffffffu;
+        top[j] = u > top[j] ? u : top[j];
+        acc[j] += (double)(g[k + j] * g[k + j]);
+      }
+    }
+    for (; k < len; k++) {
+      const float old = m_out[k] * amax_old, gk = g[k] * sign;
+      const float m = fmaf(wc, gk - old, small ? old : gk);
+      m_out[k] = m;
+      uint32_t u;
+      memcpy(&u, &m, sizeof u);
+      u &= 0x7fffffffu;
+      top[0] = u > top[0] ? u : top[0];
+      acc[0] += (double)(g[k] * g[k]);
+    }
+    uint32_t r = 0;
+    for (int j = 0; j < 8; j++) r = top[j] > r ? top[j] : r;
+    memcpy(amax, &r, sizeof r);
   } else {
     const float *restrict m = mom + a;
-    for (int64_t k = 0; k < len; k++) {
-      float gk = g[k] * sign;
-      m_out[k] = fmaf(wc, gk - m[k], small ? m[k] : gk);
+    for (int64_t i = 0; i < len; i++) {
+      float gk = g[i] * sign;
+      m_out[i] = fmaf(wc, gk - m[i], small ? m[i] : gk);
     }
+    for (; k + 8 <= len; k += 8) {
+      for (int j = 0; j < 8; j++) acc[j] += (double)(g[k + j] * g[k + j]);
+    }
+    for (; k < len; k++) acc[0] += (double)(g[k] * g[k]);
   }
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t k = 0;
-  for (; k + 8 <= len; k += 8) {
-    for (int j = 0; j < 8; j++) acc[j] += (double)(g[k + j] * g[k + j]);
-  }
-  for (; k < len; k++) acc[0] += (double)(g[k] * g[k]);
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-/* max |m| on the float bit patterns with the sign cleared: for non-negative floats
-   the integer order is the float order, the loop vectorizes (a float max with NaN
-   rules does not), and a NaN wins, as in torch's amax, so it propagates. */
-static float lt_absmax(const float *restrict m, int64_t len) {
-  uint32_t r = 0;
-  for (int64_t k = 0; k < len; k++) {
-    uint32_t bits;
-    memcpy(&bits, m + k, sizeof bits);
-    bits &= 0x7fffffffu;
-    r = bits > r ? bits : r;
-  }
-  float out;
-  memcpy(&out, &r, sizeof out);
-  return out;
 }
 
 /* x = m / amax (in place) and its lookup cell; NaN -> cell 0 (never out of range).
@@ -328,10 +364,14 @@ LT_SCALAR static void lt_lookup(const lt_quantizer *q, const float *restrict x,
   const float *restrict mid = q->mid, *restrict uniq = q->uniq;
   const uint8_t *restrict first = q->first;
   if (q->steps <= 1 && q->nuniq == q->ncodes) { /* a learned codebook */
+    /* one 8-byte load per element gives both j and mid[j] (no dependent load) */
+    const uint64_t *restrict entry = q->entry;
     for (int64_t k = 0; k < len; k++) {
-      int32_t j = lut[cell[k]];
-      j ^= j >> 15;
-      j += x[k] > mid[j];
+      const uint64_t e = entry[cell[k]];
+      const uint32_t mb = (uint32_t)e;
+      float m;
+      memcpy(&m, &mb, sizeof m);
+      const int32_t j = (int32_t)(e >> 32) + (x[k] > m);
       val[k] = uniq[j];
       code[k] = (uint8_t)j;
     }
@@ -464,11 +504,10 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       lt_load(grad, 1, s + a, l, w->g);
       g = w->g;
     }
-    sumsq += lt_momentum(g, codes, exp_avg, bits, packed, cb, amax_old, h, s + a, l, w->m);
-    if (bits) {
-      float mx = lt_absmax(w->m, l);
-      amax = mx > amax || mx != mx ? mx : amax;
-    }
+    float mx = 0.0f;
+    sumsq += lt_momentum(g, codes, exp_avg, bits, packed, cb, amax_old, h, s + a, l, w->m,
+                         &mx);
+    if (bits) amax = mx > amax || mx != mx ? mx : amax;
     if (per_element_v) {
       float *restrict vv = v + s + a;
       for (int64_t k = 0; k < l; k++) vv[k] = fmaf(h->omb2, g[k] * g[k], vv[k] * h->beta2);
@@ -491,7 +530,8 @@ static void lt_block(void *param, const void *grad, float *restrict v,
         lt_load(grad, 1, s + a, l, w->g);
         g = w->g;
       }
-      lt_momentum(g, codes, exp_avg, bits, packed, cb, amax_old, h, s + a, l, w->m);
+      float unused;
+      lt_momentum(g, codes, exp_avg, bits, packed, cb, amax_old, h, s + a, l, w->m, &unused);
     }
     float *p = (float *)param + s + a;
     if (io->param_bf16) {
