@@ -549,8 +549,7 @@ static void lt_block(void *param, const void *grad, float *restrict v,
         for (int64_t t = 0; t < l; t += LT_TILE) {
           const int64_t tl = l - t < LT_TILE ? l - t : LT_TILE;
           lt_cells(q, w->m + t, amax, tl, w->cell);
-          lt_lookup(q, w->m + t, w->cell, tl, w->val, w->code);
-          memcpy(codes + s + a + t, w->code, (size_t)tl);
+          lt_lookup(q, w->m + t, w->cell, tl, w->val, codes + s + a + t);
           lt_update(p + t, w->val, amax, ve ? ve + t : 0, denom, h, tl);
         }
       } else {
