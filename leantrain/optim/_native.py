@@ -28,6 +28,8 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).parent / "_kernels"
 # One library from all sources: one build, one load, one cache entry.
 SOURCES = ("gefen_step.c", "codebook_dp.c")
+# Included by gefen_step.c: part of the cache key, never compiled on their own.
+HEADERS = ("gefen_codes.h", "gefen_io.h")
 LIBRARY = "leantrain_kernels"
 # -ffp-contract=off: the kernel writes every fused multiply-add it wants (to round
 # like torch's vectorized ops) and the compiler must not add others.
@@ -94,7 +96,7 @@ def library_path(cc: str, flags: tuple[str, ...]) -> Path:
     """Where the library for these sources, compiler, flags and CPU lives."""
     digest = hashlib.sha256()
     for part in (
-        *((KERNEL_DIR / name).read_bytes() for name in SOURCES),
+        *((KERNEL_DIR / name).read_bytes() for name in SOURCES + HEADERS),
         _compiler_version(cc).encode(),
         " ".join(flags).encode(),
         _cpu_flags().encode(),

@@ -417,6 +417,25 @@ def test_native_build_is_cached_and_optional(tmp_path, monkeypatch):
     assert _fused.backend() == "torch" and "no C compiler" in _native.status()
 
 
+def test_native_cache_key_covers_every_source_and_header(tmp_path, monkeypatch):
+    """An edit to any kernel file, headers included, gives another library path,
+    so a stale build is never loaded."""
+    for name in _native.SOURCES + _native.HEADERS:
+        assert (_native.KERNEL_DIR / name).is_file(), name
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for name in _native.SOURCES + _native.HEADERS:
+        (copy / name).write_bytes((_native.KERNEL_DIR / name).read_bytes())
+    monkeypatch.setattr(_native, "KERNEL_DIR", copy)
+    flags = ("-O3",)
+    before = _native.library_path("cc", flags)
+    for name in _native.HEADERS:
+        (copy / name).write_bytes((copy / name).read_bytes() + b"\n")
+        after = _native.library_path("cc", flags)
+        assert after != before, name
+        before = after
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("bits", [8, 4, None])
