@@ -38,6 +38,40 @@ __all__ = ["Gefen"]
 BINS = 4096
 
 
+def block_period(partition: int | str, param: Tensor) -> int:
+    """Block length of a parameter's second moment, from the partition option and
+    (for "auto") its first gradient ``param.grad``.
+
+    Shared with GefenMuon's AdamW side, so a parameter gets the same period in both.
+    """
+    n = param.numel()
+    if partition == "element":
+        return 1
+    if partition == "tensor":
+        return n
+    if partition != "auto":
+        return min(int(partition), n)
+    # The reducible twin of partition.choose_period: integer statistics, so the
+    # period of the global tensor is the same on every rank and for every sharding
+    # (single process included).
+    grad = _dist.local(param.grad)
+    if _dist.is_sharded(param):
+        period = _partition.choose_period(
+            grad,
+            tuple(param.shape),
+            _dist.my_span(param).start,
+            _dist.reduce_sum_fn(_dist.group_of(param)),
+        )
+    else:
+        period = _partition.choose_period(grad, tuple(param.shape))
+    if not 1 <= period <= n:
+        raise ValueError(
+            f"choose_period returned {period} for a tensor of {n} elements; "
+            f"expected 1 <= p <= {n}"
+        )
+    return period
+
+
 class Gefen(Optimizer):
     r"""AdamW with a block-shared second moment and a codebook-quantized momentum.
 
@@ -177,35 +211,6 @@ class Gefen(Optimizer):
             return False
         return True
 
-    def _period(self, group: dict, param: Tensor) -> int:
-        """Block length of a parameter's second moment, from its first gradient."""
-        partition, n = group["partition"], param.numel()
-        if partition == "element":
-            return 1
-        if partition == "tensor":
-            return n
-        if partition != "auto":
-            return min(int(partition), n)
-        # The reducible twin of partition.choose_period: integer statistics, so
-        # the period of the global tensor is the same on every rank and for every
-        # sharding (single process included).
-        grad = _dist.local(param.grad)
-        if _dist.is_sharded(param):
-            period = _partition.choose_period(
-                grad,
-                tuple(param.shape),
-                _dist.my_span(param).start,
-                _dist.reduce_sum_fn(_dist.group_of(param)),
-            )
-        else:
-            period = _partition.choose_period(grad, tuple(param.shape))
-        if not 1 <= period <= n:
-            raise ValueError(
-                f"choose_period returned {period} for a tensor of {n} elements; "
-                f"expected 1 <= p <= {n}"
-            )
-        return period
-
     def _codebook(self, bits: int) -> Tensor | None:
         """The optimizer's codebook for ``bits`` if any parameter holds one."""
         for state in self.state.values():
@@ -224,7 +229,7 @@ class Gefen(Optimizer):
         fresh = [(g, p) for g, p, _ in active if _fresh(self.state[p])]
         if not fresh:
             return
-        periods = {p: self._period(g, p) for g, p in fresh}
+        periods = {p: block_period(g["partition"], p) for g, p in fresh}
         codebooks: dict[int, Tensor] = {}
         for bits in {g["momentum_bits"] for g, _ in fresh} - {None}:
             codebook = self._codebook(bits)

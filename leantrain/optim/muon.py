@@ -24,7 +24,6 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from . import _checks
-from . import _reducible_partition as _partition
 from ._fused import fused_step
 from ._muon_math import (
     DEFAULT_NS_COEFFICIENTS,
@@ -37,6 +36,7 @@ from ._muon_math import (
 from ._muon_state import check_muon_options, check_ns_dtype, load_pre_hook
 from ._state import new_state, qblock_for, state_bits
 from ._state_dict import load_post_hook  # the same as Gefen's: install state as saved
+from .gefen import block_period
 from .quant import NearestCode
 
 __all__ = [
@@ -299,26 +299,13 @@ class GefenMuon(Optimizer):
             self.param_groups.pop()
             raise
 
-    def _period(self, group: dict, grad: Tensor) -> int:
-        """Block length p from the partition option and the first gradient."""
-        partition, n = group["partition"], grad.numel()
-        if partition == "element":
-            return 1
-        if partition == "tensor":
-            return n
-        if partition != "auto":
-            return min(int(partition), n)
-        # Gefen's rule (the reducible twin of partition.choose_period), so a
-        # parameter gets the same period in GefenMuon's AdamW side as in Gefen.
-        return int(_partition.choose_period(grad, tuple(grad.shape)))
-
     def _init_states(self, active: list[tuple[dict, Tensor, str]]) -> None:
         """Creates the state of parameters on their first gradient; learns a codebook
         per momentum width from all of them when the optimizer has none yet."""
         fresh = [(group, p) for group, p, _ in active if not self.state[p]]
         if not fresh:
             return
-        periods = {p: self._period(group, p.grad) for group, p in fresh}
+        periods = {p: block_period(group["partition"], p) for group, p in fresh}
         codebooks: dict[int, Tensor] = {}
         for bits in {group["momentum_bits"] for group, _ in fresh} - {None}:
             codebook = next(
