@@ -94,6 +94,19 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     ]
 
 
+def fmt(value: float, spec: str) -> str:
+    """``value`` formatted with ``spec``; "-" for NaN or infinity (not measured)."""
+    import math
+
+    return format(value, spec) if math.isfinite(value) else "-"
+
+
+def failed_row(name: str, status: str, note: str, width: int) -> list[str]:
+    """A table row of ``width`` cells for a run that did not finish: its status in
+    place of the numbers, so a failing peer or method is shown, never hidden."""
+    return [name, status] + [""] * (width - 3) + [note]
+
+
 def markdown_table(rows: Sequence[Sequence[str]]) -> str:
     """Rows of cells as a Markdown table (``|`` inside a cell escaped as ``\\|``)."""
     return "\n".join(

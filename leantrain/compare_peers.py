@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 from leantrain._report import (
+    failed_row,
+    fmt,
     markdown_table,
     moving_average,
     progress_bar,
@@ -97,10 +99,6 @@ def train_peer(
     return result
 
 
-def _fmt(value: float, spec: str) -> str:
-    return format(value, spec) if math.isfinite(value) else "-"
-
-
 PEER_COLUMNS = [
     "optimizer",
     "state B/param",
@@ -119,18 +117,18 @@ def peers_table(results: Sequence[PeerResult]) -> str:
     rows = [PEER_COLUMNS, ["---"] + ["---:"] * 6 + ["---"]]
     for r in results:
         if r.status != "ok":
-            rows.append([r.name, r.status, "", "", "", "", "", r.note])
+            rows.append(failed_row(r.name, r.status, r.note, len(PEER_COLUMNS)))
             continue
         ratio = r.step_ms / base.step_ms if base else math.nan
         rows.append(
             [
                 r.name,
-                _fmt(r.state_bytes_per_param, ".3f"),
-                _fmt(r.peak_step_mib, ".1f"),
-                _fmt(r.step_ms, ".2f"),
-                _fmt(ratio, ".2f"),
-                _fmt(r.first_step_s, ".3f"),
-                _fmt(r.val_loss, ".4f"),
+                fmt(r.state_bytes_per_param, ".3f"),
+                fmt(r.peak_step_mib, ".1f"),
+                fmt(r.step_ms, ".2f"),
+                fmt(ratio, ".2f"),
+                fmt(r.first_step_s, ".3f"),
+                fmt(r.val_loss, ".4f"),
                 r.note,
             ]
         )

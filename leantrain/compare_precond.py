@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from leantrain._report import (
+    failed_row,
+    fmt,
     markdown_table,
     moving_average,
     progress_bar,
@@ -136,10 +138,6 @@ def train_method(
     return result
 
 
-def _fmt(value: float, spec: str) -> str:
-    return format(value, spec) if math.isfinite(value) else "-"
-
-
 PRECOND_COLUMNS = [
     "method",
     "step ms",
@@ -157,17 +155,17 @@ def precond_table(results: Sequence[MethodResult], target: float) -> str:
     rows = [PRECOND_COLUMNS, ["---"] + ["---:"] * 5 + ["---"]]
     for r in results:
         if r.status != "ok":
-            rows.append([r.name, r.status, "", "", "", "", r.note])
+            rows.append(failed_row(r.name, r.status, r.note, len(PRECOND_COLUMNS)))
             continue
         ratio = r.step_ms / sgd.step_ms if sgd else math.nan
         reached = "-" if r.steps_to_target is None else str(r.steps_to_target)
         rows.append(
             [
                 r.name,
-                _fmt(r.step_ms, ".2f"),
-                _fmt(ratio, ".2f"),
-                _fmt(r.train_loss, ".4f"),
-                _fmt(r.val_loss, ".4f"),
+                fmt(r.step_ms, ".2f"),
+                fmt(ratio, ".2f"),
+                fmt(r.train_loss, ".4f"),
+                fmt(r.val_loss, ".4f"),
                 reached if math.isfinite(target) else "-",
                 r.note,
             ]
