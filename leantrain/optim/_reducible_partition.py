@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .partition import ABS_TOL, REL_TOL, candidate_periods
+from .partition import ABS_TOL, REL_TOL, candidate_periods, scores_from_sums
 
 # fp32 exponents from frexp lie in [-148, 128]; one bucket each.
 _EXP_LOW, _EXP_HIGH = -148, 128
@@ -122,26 +122,6 @@ def unit_sums(
     out[0, u0 : u0 + rows.shape[0]] = rows.sum(1)
     out[1, u0 : u0 + rows.shape[0]] = rows.square().sum(1)
     return out
-
-
-def scores_from_sums(
-    s1: np.ndarray, s2: np.ndarray, counts: np.ndarray, n: int, unit: int, periods
-) -> dict[int, float]:
-    """``partition.score_periods``'s :math:`\\omega^2` from per-unit sums (float64)."""
-    p1, p2, pc = (np.concatenate([[0.0], np.cumsum(a)]) for a in (s1, s2, counts))
-    total_ss = p2[-1] - p1[-1] ** 2 / n
-    scores = {}
-    for p in periods:
-        if p >= n or total_ss <= 1e-12 * max(p2[-1], 1e-300):
-            scores[p] = 0.0
-            continue
-        edges = np.append(np.arange(0, s1.size, p // unit), s1.size)
-        b1, bc = np.diff(p1[edges]), np.diff(pc[edges])
-        between = float(np.sum(b1 * b1 / bc) - p1[-1] ** 2 / n)
-        nb = b1.size
-        within_ms = max(total_ss - between, 0.0) / (n - nb)
-        scores[p] = (between - (nb - 1) * within_ms) / total_ss
-    return scores
 
 
 def choose_period(

@@ -157,7 +157,16 @@ def score_periods(g: Tensor, periods: list[int]) -> dict[int, float]:
         return {p: 0.0 for p in periods}
     unit = math.gcd(*inner)
     s1, s2, cnt = _unit_sums(flat, unit)
-    p1, p2, pc = (np.concatenate([[0.0], np.cumsum(a)]) for a in (s1, s2, cnt))
+    return scores_from_sums(s1, s2, cnt, n, unit, periods)
+
+
+def scores_from_sums(
+    s1: np.ndarray, s2: np.ndarray, counts: np.ndarray, n: int, unit: int, periods
+) -> dict[int, float]:
+    r""":math:`\omega^2` of each period from per-unit sums of r and r^2 and the unit
+    sizes (float64; units of ``unit`` elements, every period a multiple of it).
+    Shared with the reducible twin, which gets the sums from integer statistics."""
+    p1, p2, pc = (np.concatenate([[0.0], np.cumsum(a)]) for a in (s1, s2, counts))
     total_ss = p2[-1] - p1[-1] ** 2 / n
     scores = {}
     for p in periods:
