@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from . import _checks
 from ._muon_math import ADJUST_LR_FNS, check_ns_arguments
 from ._state import check_state, num_blocks
+from ._state_dict import group_pairs
 
 # Keys kept on the CPU (0-dim bookkeeping, like torch's non-capturable `step`).
 
@@ -83,18 +84,12 @@ def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
     The states are installed unchanged by ``_state_dict.load_post_hook`` (shared
     with Gefen); torch's loader only sees the rest (and restores the param groups).
     """
-    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
-    if len(groups) != len(saved_groups) or any(
-        len(g["params"]) != len(s["params"])
-        for g, s in zip(groups, saved_groups, strict=True)
-    ):
+    pairs = group_pairs(
+        optimizer, state_dict, ("use_muon", "momentum_bits"), "GefenMuon"
+    )
+    if pairs is None:
         return None  # torch raises its own ValueError for these
-    for index, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
-        if "use_muon" not in saved or "momentum_bits" not in saved:
-            raise ValueError(
-                f"not a GefenMuon state dict: param group {index} has no 'use_muon'/"
-                f"'momentum_bits' (its keys: {sorted(saved)})"
-            )
+    for index, (group, saved) in enumerate(pairs):
         for key in ("use_muon", "momentum_bits"):
             if saved[key] != group[key]:
                 raise ValueError(
@@ -102,9 +97,9 @@ def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
                     f"this optimizer {key}={group[key]!r}"
                 )
     pending, loaded = {}, set()
-    for group, saved in zip(groups, saved_groups, strict=True):
-        pairs = zip(group["params"], saved["params"], strict=True)
-        for position, (param, saved_id) in enumerate(pairs):
+    for group, saved in pairs:
+        params = zip(group["params"], saved["params"], strict=True)
+        for position, (param, saved_id) in enumerate(params):
             state = state_dict["state"].get(saved_id)
             loaded.add(saved_id)
             if state is None:

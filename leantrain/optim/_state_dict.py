@@ -27,6 +27,32 @@ def label(group: dict, position: int, param: Tensor, index: int) -> str:
     return f"parameter {index} (shape {tuple(param.shape)})"
 
 
+def group_pairs(
+    optimizer: Optimizer, state_dict: dict, required: tuple[str, ...], kind: str
+) -> list[tuple[dict, dict]] | None:
+    """(this optimizer's group, the saved group) pairs, or None when the numbers of
+    groups or parameters differ (torch's loader then raises its own error).
+
+    Raises:
+        ValueError: a saved group lacks one of the ``required`` option keys, i.e.
+            the state dict is not one of a ``kind`` optimizer.
+    """
+    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+    if len(groups) != len(saved_groups) or any(
+        len(g["params"]) != len(s["params"])
+        for g, s in zip(groups, saved_groups, strict=True)
+    ):
+        return None
+    for index, saved in enumerate(saved_groups):
+        if any(key not in saved for key in required):
+            names = "/".join(f"'{key}'" for key in required)
+            raise ValueError(
+                f"not a {kind} state dict: param group {index} has no {names} "
+                f"(its keys: {sorted(saved)})"
+            )
+    return list(zip(groups, saved_groups, strict=True))
+
+
 def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
     """Validates a Gefen state dict and keeps its per-parameter state aside.
 
@@ -35,18 +61,10 @@ def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
     fixed dtypes, so the per-parameter state is taken out here and installed
     unchanged (moved to the parameter's device) by ``load_post_hook``.
     """
-    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
-    if len(groups) != len(saved_groups) or any(
-        len(g["params"]) != len(s["params"])
-        for g, s in zip(groups, saved_groups, strict=True)
-    ):
+    pairs = group_pairs(optimizer, state_dict, ("momentum_bits", "partition"), "Gefen")
+    if pairs is None:
         return None  # torch raises its own ValueError for these
-    for index, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
-        if "momentum_bits" not in saved or "partition" not in saved:
-            raise ValueError(
-                f"not a Gefen state dict: param group {index} has no 'momentum_bits'/"
-                f"'partition' (its keys: {sorted(saved)})"
-            )
+    for index, (group, saved) in enumerate(pairs):
         if saved["momentum_bits"] != group["momentum_bits"]:
             raise ValueError(
                 f"param group {index}: the state dict has momentum_bits="
@@ -56,7 +74,7 @@ def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
         _checks.check_group({**saved, "betas": tuple(saved["betas"])})
     id_map, where = {}, {}
     index = 0
-    for group, saved in zip(groups, saved_groups, strict=True):
+    for group, saved in pairs:
         for position, (param, saved_id) in enumerate(
             zip(group["params"], saved["params"], strict=True)
         ):
