@@ -9,7 +9,9 @@ same batches (128 examples):
   load makes wall time meaningless; with one thread it is the wall time of an idle
   machine) of one whole training step (zero_grad,
   ``forward_and_backward`` or forward + backward, ``optimizer.step``) after a warm-up,
-  and its ratio to the plain SGD step of the same model measured in the same run;
+  and its ratio to the plain SGD step of the same model measured in the same run. The
+  methods take turns, 10 steps each, so a load change on the machine hits them all
+  alike;
 * **steps to target** -- the first evaluation step (every ``--eval-every``) at which
   the loss on the whole training set reaches AdamW's loss after ``--steps`` steps
   (``-`` if never); **final loss** -- that loss at the end.
@@ -74,46 +76,80 @@ def _full_loss(model, x, y):
     return float(F.cross_entropy(model(x), y))
 
 
-def run_one(method, base, x, y, batches, eval_every):
-    """Train a copy of ``base``; return (median step s, [(step, loss)], error)."""
-    model = copy.deepcopy(base)
-    if method in BASELINES:
-        opt_cls = torch.optim.AdamW if method == "adamw" else torch.optim.SGD
-        kwargs = {} if method == "adamw" else {"momentum": 0.9}
-        opt = opt_cls(model.parameters(), lr=BASELINES[method], **kwargs)
-        gm = GradientMaker(model)
-    else:
-        spec = PRECOND_METHODS[method]
-        size = sum(p.numel() for p in model.parameters())
-        if spec.dense and size > DENSE_LIMIT:
-            return None, [], f"n/a: dense {size}x{size} matrix (tiny model only)"
+class Run:
+    """One method training its own copy of the model; :meth:`step` runs one step."""
+
+    def __init__(self, method, base, x, y, eval_every):
+        self.x, self.y, self.eval_every = x, y, eval_every
+        self.times, self.curve, self.error, self.done = [], [], None, False
+        self.model = model = copy.deepcopy(base)
+        if method in BASELINES:
+            opt_cls = torch.optim.AdamW if method == "adamw" else torch.optim.SGD
+            kwargs = {} if method == "adamw" else {"momentum": 0.9}
+            self.opt = opt_cls(model.parameters(), lr=BASELINES[method], **kwargs)
+            self.gm = GradientMaker(model)
+        else:
+            spec = PRECOND_METHODS[method]
+            size = sum(p.numel() for p in model.parameters())
+            self.done = True
+            if spec.dense and size > DENSE_LIMIT:
+                self.error = f"n/a: dense {size}x{size} matrix (tiny model only)"
+                return
+            try:
+                self.gm = make_gradient_maker(method, model)
+            except MethodUnavailableError as err:
+                self.error = f"not available ({err})"
+                return
+            except ValueError as err:  # e.g. too big for a dense matrix
+                self.error = f"n/a: {str(err).split(';')[0]}"
+                return
+            self.done = False
+            self.opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
+        self.curve.append((0, _full_loss(model, x, y)))
+
+    def step(self, step, idx, last):
+        """Train on ``idx``; evaluate every ``eval_every`` steps; stop on failure."""
+        if self.done:
+            return
+        model, gm, opt = self.model, self.gm, self.opt
         try:
-            gm = make_gradient_maker(method, model)
-        except MethodUnavailableError as err:
-            return None, [], f"not available ({err})"
-        except ValueError as err:  # e.g. too big for a dense matrix
-            return None, [], f"n/a: {str(err).split(';')[0]}"
-        opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
-    times, curve = [], [(0, _full_loss(model, x, y))]
-    try:
-        for step, idx in enumerate(batches, start=1):
             start = time.process_time()
             opt.zero_grad(set_to_none=True)
-            out = gm.setup_model_call(model, x[idx])
-            gm.setup_loss_call(F.cross_entropy, out, y[idx])
+            out = gm.setup_model_call(model, self.x[idx])
+            gm.setup_loss_call(F.cross_entropy, out, self.y[idx])
             gm.forward_and_backward()
             opt.step()
-            times.append(time.process_time() - start)
-            if step % eval_every == 0 or step == len(batches):
-                loss = _full_loss(model, x, y)
-                curve.append((step, loss))
+            self.times.append(time.process_time() - start)
+            if step % self.eval_every == 0 or last:
+                loss = _full_loss(model, self.x, self.y)
+                self.curve.append((step, loss))
                 if not loss < 1e3:  # diverged (or nan)
-                    return statistics.median(times), curve, "diverged"
-    except Exception as err:  # noqa: BLE001 - a failing method is a table row
-        traceback.print_exc()
-        return None, curve, f"failed: {type(err).__name__}: {err}"
-    warm = times[min(5, len(times) - 1) :]
-    return statistics.median(warm), curve, None
+                    self.error, self.done = "diverged", True
+        except Exception as err:  # noqa: BLE001 - a failing method is a table row
+            traceback.print_exc()
+            self.error, self.done = f"failed: {type(err).__name__}: {err}", True
+            self.times = []
+
+    def median(self):
+        """Median step time after a 5-step warm-up (``None``: no step ran)."""
+        if not self.times:
+            return None
+        return statistics.median(self.times[min(5, len(self.times) - 1) :])
+
+
+def run_all(methods, base, x, y, batches, eval_every, chunk=10):
+    """Train every method on the same batches, ``chunk`` steps of each in turn.
+
+    Taking turns puts every method under the same load at nearly the same time, so
+    the ratios to SGD hold on a shared machine whose load drifts during the run;
+    ``chunk`` consecutive steps keep each method's caches as warm as in a real run.
+    """
+    runs = {m: Run(m, base, x, y, eval_every) for m in methods}
+    for start in range(0, len(batches), chunk):
+        for run in runs.values():
+            for step in range(start + 1, min(len(batches), start + chunk) + 1):
+                run.step(step, batches[step - 1], step == len(batches))
+    return {m: (r.median(), r.curve, r.error) for m, r in runs.items()}
 
 
 def main(argv=None):
@@ -138,10 +174,9 @@ def main(argv=None):
         base = MODELS[model_name]()
         n_steps = cnn_steps if model_name == "cnn" else steps
         batches = _batches(x, y, n_steps, 128, seed=1)
-        rows = {}
-        for method in methods:
-            rows[method] = run_one(method, base, x, y, batches, args.eval_every)
-            curves[(model_name, method)] = rows[method][1]
+        rows = run_all(methods, base, x, y, batches, args.eval_every)
+        for method, row in rows.items():
+            curves[(model_name, method)] = row[1]
         target = rows["adamw"][1][-1][1]
         sgd_time = rows["sgd"][0]
         params = sum(p.numel() for p in base.parameters())

@@ -16,8 +16,10 @@ output channel with its bias, for ``nn.Embedding`` the weight transposed, for
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -139,8 +141,87 @@ class _PassCollector(CurvatureCollector):
             self.on_pass({name: sites for name, sites in data.items() if sites})
 
 
+def factored_is_cheaper(rows: int, cols: int, n: int) -> bool:
+    r"""Whether ``(B^{-1} E^T)(X A^{-1})`` beats forming ``G = E^T X`` first.
+
+    For a linear layer seen by ``n`` examples (no weight sharing), ``G = E^T X``
+    with ``E`` the ``(n, rows)`` output-gradients and ``X`` the ``(n, cols)``
+    inputs (with the trailing 1 of the bias). ``B^{-1} G A^{-1}`` costs
+    ``rows·cols·(rows + cols)`` multiply-adds plus ``n·rows·cols`` for ``G``; the
+    factored product ``n·(rows² + cols² + rows·cols)``: cheaper when ``n`` is
+    below the layer's width (a 256-wide layer at batch 128 saves 40%).
+    """
+    return n * (rows * rows + cols * cols) < rows * cols * (rows + cols)
+
+
+class _LinearCapture:
+    """Forward hooks keeping ``(input, output)`` of plain ``nn.Linear`` modules.
+
+    Used to skip the weight gradient of layers whose preconditioned gradient is
+    cheaper to form from the factors ``E`` (output-gradient) and ``X`` (input); see
+    :func:`factored_is_cheaper`. A module called more than once, or whose output is
+    later modified in place, is dropped at backward time (its gradient is computed
+    as usual).
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], bias_column: bool = True) -> None:
+        self.modules = modules
+        self.bias_column = bias_column  # K-FAC folds the bias into A; Shampoo not
+        self.records: dict[str, tuple | None] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> _LinearCapture:
+        self.records = {}
+        for name, module in self.modules.items():
+            hook = partial(self._on_forward, name)
+            self._handles.append(module.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _on_forward(self, name: str, module: nn.Module, args: tuple, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if name in self.records or not args:  # a second call: weight sharing
+            self.records[name] = None
+            return
+        x = args[0]
+        ok = (
+            isinstance(x, Tensor)
+            and x.ndim == 2
+            and isinstance(output, Tensor)
+            and output.requires_grad
+            and factored_is_cheaper(
+                module.out_features,
+                module.in_features + self.bias_column,
+                x.shape[0],
+            )
+        )
+        self.records[name] = (x.detach(), output, output._version) if ok else None
+
+    def usable(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{name: (input, output)}`` of the modules whose ``.grad`` is still
+        ``None`` (so the preconditioned gradient is this pass's alone), called once,
+        and whose output was not modified in place."""
+        out = {}
+        for name, rec in self.records.items():
+            if rec is None or rec[1]._version != rec[2]:
+                continue
+            if all(p.grad is None for p in self.modules[name].parameters()):
+                out[name] = (rec[0], rec[1])
+        return out
+
+
 class KronFactorMaker(PreconditionedGradientMaker):
     """Base of the makers built on Kronecker factors ``B ⊗ A`` (see module doc).
+
+    A subclass that can precondition a linear layer from ``(E, X)`` directly sets
+    :attr:`factored_gradients`; the weight gradients of the layers where that is
+    cheaper are then never formed (single process only) and :meth:`precondition`
+    must consume :attr:`_captured`.
 
     Args:
         model: the module to train (plain or ``DistributedDataParallel``).
@@ -227,6 +308,18 @@ class KronFactorMaker(PreconditionedGradientMaker):
             for p in hidden:
                 p.requires_grad_(True)
         self.ops: dict[str, ModuleOp] = self._collector.ops
+        # Output-gradient / input pairs of the layers whose weight gradient was
+        # skipped this step (see _LinearCapture); precondition() consumes them.
+        self._captured: dict[str, tuple[Tensor, Tensor]] = {}
+        self._capture = _LinearCapture(
+            {
+                name: op.module
+                for name, op in self.ops.items()
+                if self.factored_gradients and type(op.module) is nn.Linear
+            }
+        )
+
+    factored_gradients = False
 
     def is_supported(self, module: nn.Module) -> bool:
         """Linear (and subclasses), Conv2d, Embedding, LayerNorm, BatchNorm1d/2d and
@@ -235,14 +328,63 @@ class KronFactorMaker(PreconditionedGradientMaker):
             p.requires_grad for p in module.parameters(recurse=False)
         )
 
-    # -- the curvature pass -----------------------------------------------------
+    # -- the passes -------------------------------------------------------------
+    def _capturing(self) -> bool:
+        """Skip weight gradients of factored layers? Never under DDP (the wrapper
+        averages ``.grad``; ``E`` and ``X`` are per rank)."""
+        return (
+            bool(self._capture.modules)
+            and self._process_group() is None
+            and not isinstance(self.model, nn.parallel.DistributedDataParallel)
+        )
+
+    def _forward_backward(self) -> tuple[Any, Tensor]:
+        if not self._capturing():
+            return super()._forward_backward()
+        with self._capture:
+            output = self._call_model()
+            loss = self._loss_from_output(output)
+        if not self._capture.usable():  # nothing to skip: exactly loss.backward()
+            self._captured = {}
+            loss.backward()
+            return output, loss
+        # Like the curvature pass, only the model's parameters receive gradient.
+        self._loss_grads(loss, [], retain_graph=False)
+        return output, loss
+
+    def _loss_grads(
+        self, loss: Tensor, extra: list[Tensor], *, retain_graph: bool
+    ) -> tuple:
+        """Gradient of ``loss``: into ``.grad`` of the model's parameters, except
+        the captured layers (their ``(X, E)`` go to :attr:`_captured`); returns the
+        gradients w.r.t. ``extra``."""
+        params = [p for p in unwrap_model(self.model).parameters() if p.requires_grad]
+        captured = self._capture.usable() if self._capturing() else {}
+        skip = {id(p) for name in captured for p in self.ops[name].params}
+        params = [p for p in params if id(p) not in skip]
+        outputs = [out for _, out in captured.values()]
+        grads = torch.autograd.grad(
+            loss,
+            params + outputs + extra,
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+        self._accumulate_grads(params, list(grads[: len(params)]))
+        self._captured = {
+            name: (x, torch.zeros_like(out) if e is None else e)
+            for (name, (x, out)), e in zip(
+                captured.items(), grads[len(params) :], strict=False
+            )
+        }
+        return grads[len(params) + len(outputs) :]
+
     def _curvature_pass(self) -> tuple[Any, Tensor]:
         inner = unwrap_model(self.model)
         fn = self.model_call[0]
         if isinstance(fn, nn.Module) and unwrap_model(fn) is inner:
             fn = inner  # bypass DDP: we average gradient and factors ourselves
-        params = [p for p in inner.parameters() if p.requires_grad]
-        with torch.enable_grad(), self._collector:
+        capture = self._capture if self._capturing() else contextlib.nullcontext()
+        with torch.enable_grad(), self._collector, capture:
             output = self._call_model(fn)
             loss = self._loss_from_output(output)
             logits = self.logits_fn(output)
@@ -252,14 +394,10 @@ class KronFactorMaker(PreconditionedGradientMaker):
                     "(attached to the graph)"
                 )
             emp = self.fisher_type == "fisher_emp"
-            grads = torch.autograd.grad(
-                loss,
-                params + ([logits] if emp else []),
-                retain_graph=True,
-                allow_unused=True,
+            dlogits = self._loss_grads(loss, [logits] if emp else [], retain_graph=True)
+            self._collector.accumulate(
+                logits, self._vectors(logits, dlogits[0] if emp else None)
             )
-            self._accumulate_grads(params, list(grads[: len(params)]))
-            self._collector.accumulate(logits, self._vectors(logits, grads[-1]))
         self._stats = self._collector.statistics()
         self._collector.reset()
         self._sync_stats()

@@ -34,6 +34,7 @@ from leantrain.precond._kron import (
     write_canonical,
 )
 from leantrain.precond.curv import cholesky_inverse, pi_damping, robust_eigh
+from leantrain.precond.curv.linalg import symmetrize
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["DAMPING_MODES", "KfacGradientMaker", "kfac_precondition"]
@@ -68,14 +69,92 @@ def kfac_precondition(
     return cholesky_inverse(b, damp_b) @ grad @ cholesky_inverse(a, damp_a)
 
 
+def damped_cholesky(matrix: Tensor, damping: float) -> Tensor:
+    """Lower Cholesky factor of ``M + damping I`` (fp64 retry, as ``damped_inverse``).
+
+    Raises:
+        torch.linalg.LinAlgError: not positive definite even in float64.
+    """
+    damped = matrix.clone()
+    damped.diagonal(dim1=-2, dim2=-1).add_(damping)
+    factor, info = torch.linalg.cholesky_ex(damped)
+    if not bool((info != 0).any()):
+        return factor
+    wide = symmetrize(matrix.double())
+    wide.diagonal(dim1=-2, dim2=-1).add_(damping)
+    factor, info = torch.linalg.cholesky_ex(wide)
+    if bool((info != 0).any()):
+        raise torch.linalg.LinAlgError(
+            f"K-FAC factor + {damping} * I is not positive definite even in float64; "
+            "increase the damping"
+        )
+    return factor
+
+
+def right_solve(m: Tensor, lower: Tensor) -> Tensor:
+    """``m (L L^T)^{-1}`` by two triangular solves on the rows of ``m``."""
+    lower = lower.to(m.dtype)
+    z = torch.linalg.solve_triangular(lower.mT, m, upper=True, left=False)
+    return torch.linalg.solve_triangular(lower, z, upper=False, left=False)
+
+
+def write_factored(
+    op: Any,
+    x: Tensor,
+    e: Tensor,
+    a: Tensor | None = None,
+    b: Tensor | None = None,
+    *,
+    cholesky: bool = False,
+) -> None:
+    r"""``.grad`` of a Linear from its inputs ``x`` ``(N, J)`` and output-gradients
+    ``e`` ``(N, R)``: ``(B^{-1} E^T)([X, 1] A^{-1})`` split into weight and bias, or
+    the plain ``E^T [X, 1]`` without ``a`` and ``b``. Equals ``B^{-1} G A^{-1}``
+    with ``G = E^T [X, 1]`` (see :func:`~leantrain.precond._kron.factored_is_cheaper`).
+    ``a`` and ``b`` are the damped inverses, or with ``cholesky`` their lower
+    Cholesky factors (applied by triangular solves).
+    """
+    params = op.params
+    dtype = params[0].dtype
+    x, e = x.to(dtype), e.to(dtype)
+    k = x.shape[1]
+    if a is None or b is None:
+        left, right = e.T, x
+        bias = e.sum(0)
+    elif cholesky:
+        if len(params) == 2:
+            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+        left = right_solve(e, b).T  # (R, N)
+        right = right_solve(x, a)  # (N, U)
+        bias = left @ right[:, k] if len(params) == 2 else None
+        right = right[:, :k]
+    else:
+        a, b = a.to(dtype), b.to(dtype)
+        left = b @ e.T  # (R, N)
+        if len(params) == 2:  # [X, 1] A^{-1} = X A^{-1}[:k] + 1 A^{-1}[k]
+            right = torch.addmm(a[k], x, a[:k])
+            bias = left @ right[:, k]
+            right = right[:, :k]
+        else:
+            right = x @ a
+    params[0].grad = left @ right
+    if len(params) == 2:
+        params[1].grad = bias
+
+
 class KfacGradientMaker(KronFactorMaker):
     r"""K-FAC with exact, Monte-Carlo or empirical Fisher factors.
 
     Curvature steps collect ``A`` and ``B`` of every supported module from module
     hooks (batched matmuls, no per-example gradients) and fold them into a
     bias-corrected EMA (``config.ema_decay``); preconditioner steps invert them
-    (Cholesky, or ``eigh`` for ``damping_mode="exact"``); every step applies
-    ``B^{-1} G A^{-1}`` per layer (two matmuls). Under ``DistributedDataParallel``
+    (Cholesky, or ``eigh`` for ``damping_mode="exact"``; with
+    ``preconditioner_interval=1`` the Cholesky factors are kept and applied by
+    triangular solves); every step applies ``B^{-1} G A^{-1}`` per layer (two
+    matmuls). A ``nn.Linear`` wider than the batch skips its weight gradient and is
+    preconditioned as ``(B^{-1} E^T)([X, 1] A^{-1})`` from its output-gradients
+    ``E`` and inputs ``X`` (same result, less arithmetic; single process, ``.grad``
+    ``None`` before the step). Under ``DistributedDataParallel``
     curvature steps bypass the wrapper and average the gradient and the factors over
     the group, so every rank holds the union-batch factors (for ``"fisher_mc"`` the
     draws differ per rank, so only the expectation matches).
@@ -124,6 +203,9 @@ class KfacGradientMaker(KronFactorMaker):
                 f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}"
             )
         self.damping_mode = damping_mode
+        # Factored damping: wide linear layers skip their weight gradient and are
+        # preconditioned as (B^-1 E^T)(X A^-1) (see _kron.factored_is_cheaper).
+        self.factored_gradients = damping_mode != "exact"
         # Per module: {"A": [..], "B": [..]} inverses (or eigenpairs for "exact"),
         # or {"unit": (R, U, U) inverses}.
         self.inverses: dict[str, dict[str, Any]] = {}
@@ -141,12 +223,17 @@ class KfacGradientMaker(KronFactorMaker):
     def update_preconditioner(self) -> None:
         """Invert the damped factors (or eigendecompose them for ``"exact"``)."""
         lam = self.config.damping
+        # Used once (interval 1): keep Cholesky factors and solve; cholesky_inverse
+        # costs twice the factorization and only pays off when reused.
+        solve = self.config.preconditioner_interval == 1
         inverses: dict[str, dict[str, Any]] = {}
         for name, f in self.factors.items():
             if "unit" in f:
                 inverses[name] = {"unit": damped_inverse(f["unit"], lam)}
                 continue
-            inv: dict[str, list] = {"A": [], "B": []}
+            inv: dict[str, Any] = {"A": [], "B": []}
+            if solve and self.damping_mode != "exact":
+                inv["cholesky"] = True
             for a, b in zip(f["A"], f["B"], strict=True):
                 if self.damping_mode == "exact":
                     inv["A"].append(robust_eigh(a))
@@ -156,8 +243,9 @@ class KfacGradientMaker(KronFactorMaker):
                     damp_a, damp_b = pi_damping(a, b, lam)
                 else:
                     damp_a = damp_b = math.sqrt(lam)
-                inv["A"].append(damped_inverse(a, damp_a))
-                inv["B"].append(damped_inverse(b, damp_b))
+                invert = damped_cholesky if solve else damped_inverse
+                inv["A"].append(invert(a, damp_a))
+                inv["B"].append(invert(b, damp_b))
             inverses[name] = inv
         self.inverses = inverses
 
@@ -165,8 +253,20 @@ class KfacGradientMaker(KronFactorMaker):
     def precondition(self) -> None:
         """``.grad`` of each module ← its (possibly stale) K-FAC preconditioned grad."""
         lam = self.config.damping
+        captured, self._captured = self._captured, {}
+        for name, (x, e) in captured.items():
+            inv = self.inverses.get(name)
+            if inv is None:  # no curvature yet: the plain gradient
+                write_factored(self.ops[name], x, e)
+                continue
+            cholesky = inv.get("cholesky", False)
+            write_factored(
+                self.ops[name], x, e, inv["A"][0], inv["B"][0], cholesky=cholesky
+            )
         for name, inv in self.inverses.items():
             op = self.ops[name]
+            if name in captured:
+                continue
             g = read_canonical(op)
             if g is None:
                 continue
@@ -188,6 +288,8 @@ class KfacGradientMaker(KronFactorMaker):
             inner = qb.T.to(dtype) @ g @ qa.to(dtype)
             scale = (lb.unsqueeze(1) * la.unsqueeze(0) + lam).to(dtype)
             return qb.to(dtype) @ (inner / scale) @ qa.T.to(dtype)
+        if inv.get("cholesky"):
+            return right_solve(right_solve(g, inv["A"][i]).mT, inv["B"][i]).mT
         return inv["B"][i].to(dtype) @ g @ inv["A"][i].to(dtype)
 
     # -- state ------------------------------------------------------------------
@@ -197,13 +299,14 @@ class KfacGradientMaker(KronFactorMaker):
             if "unit" in inv:
                 inverses[f"{name}/U"] = inv["unit"]
                 continue
+            suffix = "/cholesky" if inv.get("cholesky") else ""
             for key in ("A", "B"):
                 for i, item in enumerate(inv[key]):
                     if isinstance(item, tuple):
                         inverses[f"{name}/{key}{i}/values"] = item[0]
                         inverses[f"{name}/{key}{i}/vectors"] = item[1]
                     else:
-                        inverses[f"{name}/{key}{i}"] = item
+                        inverses[f"{name}/{key}{i}{suffix}"] = item
         return {
             "factors": self._factor_state(),
             "inverses": inverses,
@@ -229,6 +332,11 @@ class KfacGradientMaker(KronFactorMaker):
         pending: dict[tuple[str, str, int], dict[str, Tensor]] = {}
         for key, value in state["inverses"].items():
             parts = key.split("/")
+            if parts[-1] == "cholesky":  # a Cholesky factor (preconditioner interval 1)
+                parts = parts[:-1]
+                inverses.setdefault("/".join(parts[:-1]), {"A": {}, "B": {}})[
+                    "cholesky"
+                ] = True
             if parts[-1] in ("values", "vectors"):
                 name, slot, which = "/".join(parts[:-2]), parts[-2], parts[-1]
                 pending.setdefault((name, slot[0], int(slot[1:])), {})[which] = value

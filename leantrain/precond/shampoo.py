@@ -14,6 +14,11 @@ parameter (a bias, a norm scale) is one-sided: ``(L + ε I)^{-1/2} g`` with
 larger than ``block_size`` are cut into blocks of at most ``block_size``, each its
 own Shampoo block (so the statistics stay ``block_size``-sized).
 
+Between curvature steps a plain ``nn.Linear`` wider than the batch never forms its
+weight gradient: its preconditioned weight gradient is ``(L^{-1/4} E^T)(X R^{-1/4})``
+from the layer's output-gradients ``E`` and inputs ``X`` (the same value with less
+arithmetic; single process, ``.grad`` ``None`` before the step).
+
 Statistics: with ``config.ema_decay=None`` they are accumulated (summed, Shampoo's
 AdaGrad form); with an ``ema_decay`` they are a bias-corrected EMA. They come from
 the averaged gradient of the ordinary backward pass, so under
@@ -29,7 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._checks import check_int
+from leantrain.precond._kron import _LinearCapture
 from leantrain.precond.curv import robust_eigh
+from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
     PreconditioningConfig,
@@ -57,6 +64,15 @@ def matrix_blocks(shape: tuple[int, ...], block_size: int) -> list[tuple[slice, 
         for i in range(0, rows, block_size)
         for j in range(0, cols, block_size)
     ]
+
+
+def _precondition_block(g: Tensor, roots: list[Tensor]) -> None:
+    """``g ← roots[0] @ g (@ roots[1])`` in place; ``g`` is a 2-D view."""
+    left = roots[0].to(g.dtype) @ g
+    if len(roots) == 1:
+        g.copy_(left)
+    else:
+        torch.mm(left, roots[1].to(g.dtype), out=g)
 
 
 class ShampooGradientMaker(PreconditionedGradientMaker):
@@ -94,28 +110,97 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         self.statistics: dict[str, list[list[Tensor]]] = {}
         self.roots: dict[str, list[list[Tensor]]] = {}
         super().__init__(model, config)
-
-    def is_supported(self, module: nn.Module) -> bool:
-        """Any module owning trainable parameters."""
-        return any(p.requires_grad for p in module.parameters(recurse=False))
-
-    def _parameters(self) -> dict[str, nn.Parameter]:
-        return {
+        # Resolved once: walking the module tree every step costs more than the
+        # preconditioning of a small layer.
+        self._params = {
             f"{name}.{pname}" if name else pname: p
             for name, module in self.modules()
             for pname, p in module.named_parameters(recurse=False)
             if p.requires_grad
         }
+        # Between curvature steps a wide nn.Linear skips its weight gradient: its
+        # preconditioned weight gradient is formed as (L^{-1/4} E^T)(X R^{-1/4}) from
+        # the output-gradients E and inputs X (see _kron.factored_is_cheaper).
+        self._capture = _LinearCapture(
+            {
+                name: module
+                for name, module in self.modules()
+                if type(module) is nn.Linear
+                and module.weight.requires_grad
+                and max(module.weight.shape) <= block_size
+            },
+            bias_column=False,
+        )
+        self._done: set[str] = set()  # weights preconditioned during the backward
+
+    def is_supported(self, module: nn.Module) -> bool:
+        """Any module owning trainable parameters."""
+        return any(p.requires_grad for p in module.parameters(recurse=False))
 
     def _matrix(self, grad: Tensor) -> Tensor:
         if grad.ndim <= 1:
             return grad.reshape(-1, 1)  # one-sided: only L
         return grad.reshape(grad.shape[0], -1)
 
+    # -- the passes -------------------------------------------------------------
+    def _curvature_pass(self) -> tuple[Any, Tensor]:
+        # The statistics need G itself: always the plain backward here.
+        return super()._forward_backward()
+
+    def _forward_backward(self) -> tuple[Any, Tensor]:
+        if (
+            not self._capture.modules
+            or self._process_group() is not None
+            or isinstance(self.model, nn.parallel.DistributedDataParallel)
+        ):
+            return super()._forward_backward()
+        with self._capture:
+            output = self._call_model()
+            loss = self._loss_from_output(output)
+        captured = {
+            name: xy
+            for name, xy in self._capture.usable().items()
+            if self._weight_name(name) in self.roots
+        }
+        if not captured:  # nothing to skip: exactly loss.backward()
+            loss.backward()
+            return output, loss
+        # As on K-FAC's capturing steps, only the model's parameters get gradient.
+        skip = {id(self._capture.modules[name].weight) for name in captured}
+        params = [
+            p
+            for p in unwrap_model(self.model).parameters()
+            if p.requires_grad and id(p) not in skip
+        ]
+        grads = torch.autograd.grad(
+            loss, params + [y for _, y in captured.values()], allow_unused=True
+        )
+        for p, g in zip(params, grads[: len(params)], strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        with torch.no_grad():
+            rest = grads[len(params) :]
+            for (name, (x, _)), e in zip(captured.items(), rest, strict=True):
+                weight = self._capture.modules[name].weight
+                key = self._weight_name(name)
+                if e is None:
+                    weight.grad = torch.zeros_like(weight)
+                    continue
+                left, right = (r.to(weight.dtype) for r in self.roots[key][0])
+                weight.grad = (left @ e.T.to(weight.dtype)) @ (
+                    x.to(weight.dtype) @ right
+                )
+                self._done.add(key)
+        return output, loss
+
+    @staticmethod
+    def _weight_name(module_name: str) -> str:
+        return f"{module_name}.weight" if module_name else "weight"
+
     def update_curvature(self) -> None:
         """Add ``G G^T`` and ``G^T G`` of every block (EMA or accumulate)."""
         decay = self.config.ema_decay
-        for name, p in self._parameters().items():
+        for name, p in self._params.items():
             if p.grad is None:
                 continue
             g = self._matrix(p.grad.detach())
@@ -154,18 +239,24 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
     @torch.no_grad()
     def precondition(self) -> None:
         """``.grad`` ← ``L^{-1/4} G R^{-1/4}`` per block (``L^{-1/2} g`` for 1-D)."""
-        for name, p in self._parameters().items():
-            if p.grad is None or name not in self.roots:
+        done, self._done = self._done, set()
+        for name, p in self._params.items():
+            grad = p.grad
+            if grad is None or name not in self.roots or name in done:
                 continue
-            g = self._matrix(p.grad)
+            roots = self.roots[name]
+            if len(roots) == 1 and grad.is_contiguous():
+                # One block (the usual case): two matmuls, the last written straight
+                # into .grad (no temporary copy of the gradient).
+                _precondition_block(grad.view(self._matrix(grad).shape), roots[0])
+                continue
+            g = self._matrix(grad)
             out = torch.empty_like(g)
             blocks = matrix_blocks(g.shape, self.block_size)
-            for (rs, cs), roots in zip(blocks, self.roots[name], strict=True):
-                block = roots[0].to(g.dtype) @ g[rs, cs]
-                if len(roots) == 2:
-                    block = block @ roots[1].to(g.dtype)
-                out[rs, cs] = block
-            p.grad.copy_(out.reshape(p.grad.shape))
+            for (rs, cs), block_roots in zip(blocks, roots, strict=True):
+                out[rs, cs] = g[rs, cs]
+                _precondition_block(out[rs, cs], block_roots)
+            grad.copy_(out.reshape(grad.shape))
 
     # -- state ------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:

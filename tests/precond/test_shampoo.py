@@ -165,3 +165,35 @@ def test_bad_block_size_raises():
         ShampooGradientMaker(nn.Linear(2, 2), block_size=0)
     with pytest.raises(TypeError, match="block_size"):
         ShampooGradientMaker(nn.Linear(2, 2), block_size=2.5)
+
+
+def test_wide_layer_between_curvature_steps_matches_stale_roots():
+    # batch 3 < width 12: between curvature steps layer "2" skips its weight
+    # gradient and forms L^{-1/4} (E^T X) R^{-1/4} from its output-gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3)
+    ).double()
+    cfg = PreconditioningConfig(
+        damping=1e-3, curvature_interval=2, preconditioner_interval=2, ema_decay=0.9
+    )
+    gm = ShampooGradientMaker(model, cfg)
+    g = torch.Generator().manual_seed(3)
+    data = [
+        (
+            torch.randn(3, 5, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (3,), generator=g),
+        )
+        for _ in range(2)
+    ]
+    run(gm, model, data[:1])  # curvature step: plain backward
+    assert gm._capture.records == {}
+    ref = plain_grads(copy.deepcopy(model), data[1:])[0]
+    run(gm, model, data[1:])
+    assert gm._capture.records["2"] is not None  # the factored path ran
+    for name, p in model.named_parameters():
+        roots = gm.roots[name][0]
+        want = roots[0] @ ref[name].reshape(p.shape[0], -1)
+        if len(roots) == 2:
+            want = want @ roots[1]
+        torch.testing.assert_close(p.grad, want.reshape(p.shape), rtol=1e-9, atol=0)

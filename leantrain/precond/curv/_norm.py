@@ -26,6 +26,8 @@ class ElementwiseAffineOp(ModuleOp):
         live = [(f, g[0]) for f, g in calls if g[0] is not None]
         if not live:
             return []
+        if len(live) == 1:  # called once: no copy
+            return [Site(slice(0, self.size), live[0][0]["xhat"], live[0][1])]
         xhat = torch.cat([f["xhat"] for f, _ in live], 1)
         e = torch.cat([g for _, g in live], 1)
         return [Site(slice(0, self.size), xhat, e)]
@@ -90,13 +92,14 @@ class BatchNormOp(ElementwiseAffineOp):
                 "curvature is undefined; call model.eval(), use kind='hessian', or "
                 "list it in ignore_modules"
             )
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        if batch_stats:
-            dims = [0] + list(range(2, x.dim()))
-            mean = x.mean(dims, keepdim=True)
-            var = x.var(dims, unbiased=False, keepdim=True)
-        else:
-            mean = m.running_mean.reshape(shape).to(x.dtype)
-            var = m.running_var.reshape(shape).to(x.dtype)
-        xhat = (x - mean) / torch.sqrt(var + m.eps)
+        # x̂ = (x - mean) / sqrt(var + eps) by torch's own kernel (no affine, no
+        # running-statistics update): one fused pass instead of four.
+        stats = (None, None) if batch_stats else (m.running_mean, m.running_var)
+        xhat = F.batch_norm(
+            x,
+            *(s if s is None else s.to(x.dtype) for s in stats),
+            training=batch_stats,
+            momentum=0.0,
+            eps=m.eps,
+        )
         return {"xhat": self._layout(xhat)}, [output]

@@ -221,6 +221,8 @@ class CurvatureCollector:
     def reset(self) -> None:
         """Forget the recorded forward and every accumulated statistic."""
         self._calls: dict[str, list] = {name: [] for name in self.ops}
+        # (name, call, slot, tensor, version) of every hooked output tensor.
+        self._outputs: list[tuple] = []
         self._acc: dict[str, dict] = {name: {} for name in self.ops}
         self._full: torch.Tensor | None = None
         self.n_passes = 0
@@ -236,6 +238,7 @@ class CurvatureCollector:
         for slot, tensor in enumerate(tensors):
             if tensor.requires_grad:
                 tensor.register_hook(partial(self._on_grad, name, call, slot))
+                self._outputs.append((name, call, slot, tensor, tensor._version))
 
     def _on_forward(self, name, module, args, kwargs, output):
         if not args:  # input passed by keyword, e.g. linear(input=x)
@@ -278,17 +281,22 @@ class CurvatureCollector:
             for _, grads in calls:
                 grads[:] = [None] * len(grads)
         tracked = [p for op in self.ops.values() for p in op.params]
-        self._in_pass = True
-        try:
-            grads = torch.autograd.grad(
-                output,
-                tracked,
-                grad_outputs=vector.to(output.dtype),
-                retain_graph=True,
-                allow_unused=True,
-            )
-        finally:
-            self._in_pass = False
+        check = self.check_gradients and not self._checked
+        if not check and all(t._version == v for *_, t, v in self._outputs):
+            self._output_gradients(output, vector)
+            grads: tuple = ()
+        else:
+            self._in_pass = True
+            try:
+                grads = torch.autograd.grad(
+                    output,
+                    tracked,
+                    grad_outputs=vector.to(output.dtype),
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            finally:
+                self._in_pass = False
         data = {name: self.ops[name].combine(self._calls[name]) for name in self.ops}
         batch = output.shape[0]
         for name, sites in data.items():
@@ -299,11 +307,32 @@ class CurvatureCollector:
                     "examples; every tracked module must see the batch in dim 0 "
                     "(expand broadcast inputs, e.g. positions, to (N, T))"
                 )
-        if self.check_gradients and not self._checked:
+        if check:
             self._check(data, tracked, grads)
             self._checked = True
         self._update(data)
         self.n_passes += 1
+
+    def _output_gradients(self, output: torch.Tensor, vector: torch.Tensor) -> None:
+        """Back-propagate ``vector`` to the hooked module outputs only.
+
+        Asking autograd for the output-gradients instead of the parameter
+        gradients skips every weight-gradient product (about half the backward);
+        valid while no hooked output was modified in place after its hook (then its
+        gradient would be the modified tensor's), which the caller checks.
+        """
+        if not self._outputs:
+            return
+        grads = torch.autograd.grad(
+            output,
+            [t for _, _, _, t, _ in self._outputs],
+            grad_outputs=vector.to(output.dtype),
+            retain_graph=True,
+            allow_unused=True,
+        )
+        for (name, call, slot, _, _), grad in zip(self._outputs, grads, strict=True):
+            if grad is not None:
+                call[1][slot] = self.ops[name].grad_feature(slot, grad)
 
     def _check(self, data: dict, tracked: list, grads: tuple) -> None:
         by_param = {id(p): g for p, g in zip(tracked, grads, strict=True)}

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._base import ModuleOp, Site, _acc, _batch
+from ._conv import LazyFeats, LazySite, canonical_order, kernel_major_patches
 from ._mha import check_mha_supported
 from ._norm import BatchNormOp, LayerNormOp
 
@@ -44,6 +45,31 @@ SUPPORTED_MODULES = (
     nn.BatchNorm2d,
     nn.MultiheadAttention,
 )
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat`` that returns a lone tensor itself: a module called once per
+    forward (the usual case) must not copy its im2col patches (MBs for a conv)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
+
+
+def gram(a: torch.Tensor) -> torch.Tensor:
+    """``a^T a`` for a tall ``(M, K)`` matrix, computing one triangle of blocks.
+
+    With ``a = [a1, a2]`` the lower-left block is the transpose of the upper-right,
+    so three products replace four: 15-20% faster for convolution patches (``M`` in
+    the thousands, ``K`` = 144 or more); a plain product otherwise.
+    """
+    rows, cols = a.shape
+    if cols < 128 or rows < 4 * cols:
+        return a.T @ a
+    k = cols // 2
+    top = a[:, :k].T @ a  # (k, K): [a1^T a1, a1^T a2]
+    out = a.new_empty(cols, cols)
+    out[:k] = top
+    out[k:, :k] = top[:, k:].T
+    out[k:, k:] = a[:, k:].T @ a[:, k:]
+    return out
 
 
 class LinearFormOp(ModuleOp):
@@ -74,7 +100,7 @@ class LinearFormOp(ModuleOp):
             for f, g in live:
                 ref = next(x for x in g if x is not None)  # a hooked grad of this call
                 e.append(g[s] if g[s] is not None else ref.new_zeros(f["eshape"][s]))
-            sites.append(Site(live[0][0]["rows"][s], torch.cat(a, 1), torch.cat(e, 1)))
+            sites.append(Site(live[0][0]["rows"][s], _cat(a, 1), _cat(e, 1)))
         return self._merge_shared_input(sites, live)
 
     def _merge_shared_input(self, sites: list[Site], live: list) -> list[Site]:
@@ -128,9 +154,8 @@ class LinearFormOp(ModuleOp):
         n = calls[0][0]["a"][0].shape[0]
         factors = []
         for s in range(len(calls[0][0]["a"])):
-            a = self._augmented(torch.cat([f["a"][s] for f, _ in calls], 1))
-            a = a.reshape(-1, a.shape[-1])
-            factors.append(a.T @ a / n)
+            a = self._augmented(_cat([f["a"][s] for f, _ in calls], 1))
+            factors.append(gram(a.reshape(-1, a.shape[-1])).div_(n))
         return factors
 
     def kron_b(self, data: list[Site]) -> list[torch.Tensor]:
@@ -195,20 +220,46 @@ class Conv2dOp(LinearFormOp):
         self.padding = padding
         weight = module.weight
         self._setup(weight.shape[0], weight[0].numel(), module.bias is not None)
+        self._perm = canonical_order(
+            weight.shape[1], *module.kernel_size, module.bias is not None
+        )
 
     def record(self, args: tuple, output: torch.Tensor) -> tuple[dict, list]:
         x = args[0]
         _batch(x, self.name, 4)
-        m = self.module
-        cols = F.unfold(_acc(x), m.kernel_size, m.dilation, self.padding, m.stride)
-        a = cols.transpose(1, 2)  # (N, L, C_in*kh*kw)
+        m, x = self.module, _acc(x)
+        geometry = (m.kernel_size, m.dilation, self.padding, m.stride)
+        fast = kernel_major_patches(x, *geometry)  # (N, L, kh*kw*C_in)
         n = x.shape[0]
-        feats = {
-            "a": [a],
-            "rows": [slice(0, self.rows)],
-            "eshape": [(n, a.shape[1], self.rows)],
-        }
+
+        def canonical() -> list[torch.Tensor]:  # (N, L, C_in*kh*kw), as F.unfold
+            return [F.unfold(x, *geometry).transpose(1, 2)]
+
+        feats = LazyFeats(
+            canonical,
+            a_kernel_major=fast,
+            rows=[slice(0, self.rows)],
+            eshape=[(n, fast.shape[1], self.rows)],
+        )
         return feats, [output]
+
+    def combine(self, calls: list) -> list[Site]:
+        live = [(f, g[0]) for f, g in calls if g[0] is not None]
+        if not live:
+            return []
+        e = _cat([g for _, g in live], 1)
+        return [
+            LazySite(
+                live[0][0]["rows"][0], lambda: _cat([f["a"][0] for f, _ in live], 1), e
+            )
+        ]
+
+    def kron_a(self, calls: list) -> list[torch.Tensor]:
+        """``A`` from the kernel-major patches, permuted to the canonical order."""
+        a = self._augmented(_cat([f["a_kernel_major"] for f, _ in calls], 1))
+        factor = gram(a.reshape(-1, a.shape[-1])).div_(a.shape[0])
+        perm = self._perm
+        return [factor[perm.unsqueeze(-1), perm.unsqueeze(0)]]
 
     def grad_feature(self, slot: int, grad: torch.Tensor) -> torch.Tensor:
         return _acc(grad).reshape(grad.shape[0], self.rows, -1).transpose(1, 2)

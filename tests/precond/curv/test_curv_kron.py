@@ -158,3 +158,33 @@ def test_kron_exact_for_attention_on_one_token():
         expected = unit[sub] if name == "ln" else layer[sub]
         assert rel_err(dense[sub], expected) < 1e-10, name
     assert float(got["attn.out_proj"].B.norm()) > 0
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(kernel_size=3, padding=1),
+        dict(kernel_size=(3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 0)),
+        dict(kernel_size=2, stride=2, bias=False),
+        dict(kernel_size=3, padding="same", dilation=2),
+    ],
+)
+def test_conv_input_factor_equals_unfold_definition(conv):
+    # A comes from kernel-major patches permuted back to the weight's (C, kh, kw)
+    # order; the definition uses F.unfold in that order directly.
+    torch.manual_seed(0)
+    layer = nn.Conv2d(3, 4, **conv).double()
+    x = torch.randn(5, 3, 7, 6, dtype=torch.float64)
+    model = nn.Sequential(layer, nn.Flatten())
+    out = model(x)
+    targets = torch.randint(0, out.shape[1], (5,))
+    got = curvature(model, "cross_entropy", x, targets, kind="ggn", shape="kron")
+    pad = layer.padding
+    if isinstance(pad, str):
+        sizes = zip(layer.dilation, layer.kernel_size, strict=True)
+        pad = tuple(d * (k - 1) // 2 for d, k in sizes)
+    cols = F.unfold(x, layer.kernel_size, layer.dilation, pad, layer.stride)
+    a = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    if layer.bias is not None:
+        a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)
+    torch.testing.assert_close(got["0"].A, a.T @ a / 5, rtol=1e-12, atol=1e-12)
