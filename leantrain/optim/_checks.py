@@ -125,6 +125,34 @@ def check_grad(grad: Tensor, label: str) -> None:
         )
 
 
+# Up to this many elements a tensor's check joins one batched _foreach_norm call:
+# per-tensor op overhead dominates small tensors, while torch's foreach infinity
+# norm reads a large one ~10x slower than aminmax does.
+_BATCH_NUMEL = 1 << 16
+
+
+def finite_flags(grads: list[Tensor]) -> list[bool]:
+    """``is_finite`` of every tensor, small ones in one batched call per dtype.
+
+    The infinity norm max|g| is NaN if any element is NaN and inf if any is
+    infinite (and never overflows), so "norm finite" is exactly "all finite".
+    """
+    flags = [True] * len(grads)
+    batches: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        if g.numel() == 0:
+            continue
+        if g.numel() <= _BATCH_NUMEL:
+            batches.setdefault((g.device, g.dtype), []).append(i)
+        else:
+            flags[i] = is_finite(g)
+    for members in batches.values():
+        norms = torch._foreach_norm([grads[i] for i in members], float("inf"))
+        for i, ok in zip(members, torch.stack(norms).isfinite().tolist(), strict=True):
+            flags[i] = ok
+    return flags
+
+
 def is_finite(grad: Tensor) -> bool:
     """True when every element of ``grad`` is finite (no NaN, no +-inf).
 

@@ -113,6 +113,52 @@ def _c_eligible(param: Tensor, grad: Tensor, state: dict) -> bool:
     )
 
 
+# id(library) -> its largest chunk, once its struct layouts were checked
+_checked: dict[int, int] = {}
+# id(table) -> (table, its ctypes view); the table is held so the id stays its own
+_quantizers: dict[int, tuple[QuantTable, _Quantizer]] = {}
+
+
+def _checked_library(lib: ctypes.CDLL) -> int:
+    """The library's largest chunk, after checking (once) that its struct layouts
+    are ours: a stale or foreign build must never get our pointers."""
+    max_chunk = _checked.get(id(lib))
+    if max_chunk is None:
+        if (
+            lib.lt_sizeof_quantizer() != ctypes.sizeof(_Quantizer)
+            or lib.lt_sizeof_hyper() != ctypes.sizeof(_Hyper)
+            or lib.lt_sizeof_io() != ctypes.sizeof(_Io)
+        ):
+            raise RuntimeError(
+                "the native kernel's struct layouts differ from _fused's"
+            )
+        max_chunk = _checked[id(lib)] = lib.lt_max_chunk()
+    return max_chunk
+
+
+def _quantizer(table: QuantTable) -> _Quantizer:
+    """The kernel's view of a quantizer table (built once per table)."""
+    entry = _quantizers.get(id(table))
+    if entry is not None and entry[0] is table:
+        return entry[1]
+    view = _Quantizer(
+        table.codebook.data_ptr(),
+        table.uniq.data_ptr(),
+        table.mid.data_ptr(),
+        table.first.data_ptr(),
+        table.lut.data_ptr(),
+        table.entry.data_ptr(),
+        table.codebook.numel(),
+        table.uniq.numel(),
+        table.lut.numel(),
+        table.steps,
+    )
+    if len(_quantizers) >= 16:  # tables are per codebook: one or two in practice
+        _quantizers.clear()
+    _quantizers[id(table)] = (table, view)
+    return view
+
+
 def c_step(
     param: Tensor,
     grad: Tensor,
@@ -172,31 +218,11 @@ def c_step(
             f"exp_avg_codes: the C kernel needs contiguous uint8 CPU codes, got "
             f"{codes.dtype} on {codes.device}"
         )
-    if (
-        lib.lt_sizeof_quantizer() != ctypes.sizeof(_Quantizer)
-        or lib.lt_sizeof_hyper() != ctypes.sizeof(_Hyper)
-        or lib.lt_sizeof_io() != ctypes.sizeof(_Io)
-    ):
-        raise RuntimeError("the native kernel's struct layouts differ from _fused's")
-    max_chunk = lib.lt_max_chunk()
+    max_chunk = _checked_library(lib)
     chunk = chunk or C_CHUNK or max_chunk
     if not 1 <= chunk <= max_chunk:
         raise ValueError(f"chunk {chunk}; allowed: 1 <= chunk <= {max_chunk}")
-    table: QuantTable | None = quant_table(state["codebook"]) if bits else None
-    quantizer = None
-    if table is not None:
-        quantizer = _Quantizer(
-            table.codebook.data_ptr(),
-            table.uniq.data_ptr(),
-            table.mid.data_ptr(),
-            table.first.data_ptr(),
-            table.lut.data_ptr(),
-            table.entry.data_ptr(),
-            table.codebook.numel(),
-            table.uniq.numel(),
-            table.lut.numel(),
-            table.steps,
-        )
+    quantizer = _quantizer(quant_table(state["codebook"])) if bits else None
     io = _Io(
         param.dtype == torch.bfloat16,
         grad.dtype == torch.bfloat16,

@@ -27,6 +27,23 @@ def label(group: dict, position: int, param: Tensor, index: int) -> str:
     return f"parameter {index} (shape {tuple(param.shape)})"
 
 
+class LazyLabel:
+    """``label(group, position, param, index)``, formatted only when shown (an
+    error or a warning): building it for every parameter at every step cost more
+    than the step of a small tensor."""
+
+    __slots__ = ("_args", "_text")
+
+    def __init__(self, group: dict, position: int, param: Tensor, index: int):
+        self._args = (group, position, param, index)
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = label(*self._args)
+        return self._text
+
+
 def group_pairs(
     optimizer: Optimizer, state_dict: dict, required: tuple[str, ...], kind: str
 ) -> list[tuple[dict, dict]] | None:

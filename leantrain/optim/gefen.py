@@ -28,9 +28,9 @@ from ._sharded import (
     partial_absmax,
 )
 from ._state import new_state, qblock_for, state_bits
+from ._state_dict import LazyLabel, load_post_hook, load_pre_hook, state_dict_post_hook
 from ._state_dict import fresh as _fresh
 from ._state_dict import label as _label
-from ._state_dict import load_post_hook, load_pre_hook, state_dict_post_hook
 
 __all__ = ["Gefen"]
 
@@ -171,12 +171,12 @@ class Gefen(Optimizer):
             self.param_groups.pop()
             raise
 
-    def _active(self) -> list[tuple[dict, Tensor, str]]:
+    def _active(self) -> list[tuple[dict, Tensor, LazyLabel]]:
         """(group, param, label) of every parameter with a non-empty gradient."""
         active, index = [], 0
         for group in self.param_groups:
             for position, param in enumerate(group["params"]):
-                label = _label(group, position, param, index)
+                label = LazyLabel(group, position, param, index)
                 index += 1
                 if param.grad is None or param.numel() == 0:
                     continue
@@ -190,7 +190,7 @@ class Gefen(Optimizer):
         With sharded parameters the verdict is agreed across their ranks (one
         small MIN all_reduce), so every rank skips or steps together.
         """
-        finite = [_checks.is_finite(_dist.local(p.grad)) for _, p, _ in active]
+        finite = _checks.finite_flags([_dist.local(p.grad) for _, p, _ in active])
         sharded = [p for _, p, _ in active if _dist.is_sharded(p)]
         if sharded:
             flags = torch.tensor(finite, dtype=torch.float32)

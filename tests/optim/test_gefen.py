@@ -554,6 +554,31 @@ def test_nonfinite_gradient_skips_the_whole_step(kit):
     assert float(opt.state[model[0].weight]["step"]) == 4
 
 
+def test_finite_flags_match_isfinite_for_small_large_and_mixed_dtypes():
+    """The batched check (small tensors through one infinity norm per dtype, large
+    ones through aminmax) agrees with isfinite(g).all() element for element."""
+    from leantrain.optim._checks import _BATCH_NUMEL, finite_flags
+
+    torch.manual_seed(0)
+    sizes = [1, 7, 512, _BATCH_NUMEL, _BATCH_NUMEL + 1, 3 * _BATCH_NUMEL]
+    grads, expected = [], []
+    for k, n in enumerate(sizes * 3):
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[k % 3]
+        g = (torch.randn(n) * 1e3).to(dtype)
+        bad = (None, float("nan"), float("inf"), float("-inf"))[k % 4]
+        if bad is not None:
+            g[(k * 7919) % n] = bad
+        grads.append(g)
+        expected.append(bool(torch.isfinite(g).all()))
+    grads.append(torch.empty(0))
+    expected.append(True)
+    big = torch.full((5,), torch.finfo(torch.float32).max)  # finite, norm too
+    grads.append(big)
+    expected.append(True)
+    assert finite_flags(grads) == expected
+    assert finite_flags([]) == []
+
+
 def test_nonfinite_first_step_creates_no_state(kit):
     model = kit.make_mlp()
     opt = Gefen(model.parameters())
