@@ -10,10 +10,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = [
     "check_callable",
+    "check_choice",
+    "check_extra_state",
     "check_ignore_modules",
     "check_int",
     "check_module",
@@ -54,6 +56,13 @@ def check_open_unit(name: str, value: Any) -> float:
     if not 0.0 < value < 1.0:
         raise ValueError(f"{name} must be None or a float in (0, 1), got {value}")
     return float(value)
+
+
+def check_choice(name: str, value: Any, allowed: tuple) -> Any:
+    """One of ``allowed`` (compared with ``==``)."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
 
 
 def check_module(name: str, value: Any) -> nn.Module:
@@ -101,3 +110,21 @@ def check_ignore_modules(value: Any) -> tuple[nn.Module | type[nn.Module] | str,
                 f"classes or name substrings, got {entry!r} ({type(entry).__name__})"
             )
     return entries
+
+
+def check_extra_state(
+    state: Any, keys: tuple[str, ...], *, tensor_maps: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """A maker's saved ``state['extra']``: a dict with exactly ``keys``, whose
+    entries named in ``tensor_maps`` map names to tensors."""
+    if not isinstance(state, dict) or set(state) != set(keys):
+        listed = ", ".join(repr(k) for k in keys[:-1])
+        listed = f"{listed} and {keys[-1]!r}" if listed else repr(keys[-1])
+        raise ValueError(f"state['extra'] must hold {listed}")
+    for key in tensor_maps:
+        value = state[key]
+        if not isinstance(value, dict) or not all(
+            isinstance(v, Tensor) for v in value.values()
+        ):
+            raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
+    return state

@@ -17,55 +17,21 @@ output channel with its bias, for ``nn.Embedding`` the weight transposed, for
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
-from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from leantrain.precond.curv import (
-    CurvatureCollector,
-    as_loss_spec,
-    cholesky_inverse,
-    output_vectors,
-)
-from leantrain.precond.curv.kinds import reduction_factor
-from leantrain.precond.curv.modules import SUPPORTED_MODULES, ModuleOp
+from leantrain.precond._checks import check_extra_state
+from leantrain.precond._factored import LinearCapture
+from leantrain.precond._fisher import FisherMaker
+from leantrain.precond.curv import CurvatureCollector, cholesky_inverse
+from leantrain.precond.curv.modules import ModuleOp
 from leantrain.precond.gradient_maker import unwrap_model
-from leantrain.precond.preconditioned import (
-    PreconditionedGradientMaker,
-    PreconditioningConfig,
-)
+from leantrain.precond.preconditioned import PreconditioningConfig
 
-__all__ = [
-    "FISHER_TYPES",
-    "KronFactorMaker",
-    "damped_inverse",
-    "default_logits",
-    "read_canonical",
-    "write_canonical",
-]
-
-FISHER_TYPES = ("fisher_mc", "fisher_exact", "fisher_emp")
-
-
-def default_logits(output: Any) -> Tensor:
-    """The logits in a model output: the tensor itself, ``output[0]`` of a tuple or
-    list, ``output["logits"]`` of a dict, or ``output.logits``."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
-        return output[0]
-    if isinstance(output, dict) and isinstance(output.get("logits"), Tensor):
-        return output["logits"]
-    if isinstance(getattr(output, "logits", None), Tensor):
-        return output.logits
-    raise TypeError(
-        f"cannot find the logits in a model output of type {type(output).__name__}; "
-        "pass logits_fn=lambda output: ... to the maker"
-    )
+__all__ = ["KronFactorMaker", "damped_inverse", "read_canonical", "write_canonical"]
 
 
 def damped_inverse(matrix: Tensor, damping: float) -> Tensor:
@@ -141,81 +107,7 @@ class _PassCollector(CurvatureCollector):
             self.on_pass({name: sites for name, sites in data.items() if sites})
 
 
-def factored_is_cheaper(rows: int, cols: int, n: int) -> bool:
-    r"""Whether ``(B^{-1} E^T)(X A^{-1})`` beats forming ``G = E^T X`` first.
-
-    For a linear layer seen by ``n`` examples (no weight sharing), ``G = E^T X``
-    with ``E`` the ``(n, rows)`` output-gradients and ``X`` the ``(n, cols)``
-    inputs (with the trailing 1 of the bias). ``B^{-1} G A^{-1}`` costs
-    ``rows·cols·(rows + cols)`` multiply-adds plus ``n·rows·cols`` for ``G``; the
-    factored product ``n·(rows² + cols² + rows·cols)``: cheaper when ``n`` is
-    below the layer's width (a 256-wide layer at batch 128 saves 40%).
-    """
-    return n * (rows * rows + cols * cols) < rows * cols * (rows + cols)
-
-
-class _LinearCapture:
-    """Forward hooks keeping ``(input, output)`` of plain ``nn.Linear`` modules.
-
-    Used to skip the weight gradient of layers whose preconditioned gradient is
-    cheaper to form from the factors ``E`` (output-gradient) and ``X`` (input); see
-    :func:`factored_is_cheaper`. A module called more than once, or whose output is
-    later modified in place, is dropped at backward time (its gradient is computed
-    as usual).
-    """
-
-    def __init__(self, modules: dict[str, nn.Module], bias_column: bool = True) -> None:
-        self.modules = modules
-        self.bias_column = bias_column  # K-FAC folds the bias into A; Shampoo not
-        self.records: dict[str, tuple | None] = {}
-        self._handles: list = []
-
-    def __enter__(self) -> _LinearCapture:
-        self.records = {}
-        for name, module in self.modules.items():
-            hook = partial(self._on_forward, name)
-            self._handles.append(module.register_forward_hook(hook))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _on_forward(self, name: str, module: nn.Module, args: tuple, output) -> None:
-        if not torch.is_grad_enabled():
-            return
-        if name in self.records or not args:  # a second call: weight sharing
-            self.records[name] = None
-            return
-        x = args[0]
-        ok = (
-            isinstance(x, Tensor)
-            and x.ndim == 2
-            and isinstance(output, Tensor)
-            and output.requires_grad
-            and factored_is_cheaper(
-                module.out_features,
-                module.in_features + self.bias_column,
-                x.shape[0],
-            )
-        )
-        self.records[name] = (x.detach(), output, output._version) if ok else None
-
-    def usable(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{name: (input, output)}`` of the modules whose ``.grad`` is still
-        ``None`` (so the preconditioned gradient is this pass's alone), called once,
-        and whose output was not modified in place."""
-        out = {}
-        for name, rec in self.records.items():
-            if rec is None or rec[1]._version != rec[2]:
-                continue
-            if all(p.grad is None for p in self.modules[name].parameters()):
-                out[name] = (rec[0], rec[1])
-        return out
-
-
-class KronFactorMaker(PreconditionedGradientMaker):
+class KronFactorMaker(FisherMaker):
     """Base of the makers built on Kronecker factors ``B ⊗ A`` (see module doc).
 
     A subclass that can precondition a linear layer from ``(E, X)`` directly sets
@@ -226,60 +118,20 @@ class KronFactorMaker(PreconditionedGradientMaker):
     Args:
         model: the module to train (plain or ``DistributedDataParallel``).
         config: schedule, damping, EMA decay, ignored modules.
-        fisher_type: ``"fisher_mc"`` (``n_mc_samples`` targets drawn from the model,
-            averaged), ``"fisher_exact"`` (one backward per class) or
-            ``"fisher_emp"`` (the loss gradient itself, no extra backward vector).
-        n_mc_samples: draws for ``"fisher_mc"``.
-        loss_type: ``"cross_entropy"`` or ``"mse"``: the likelihood whose Fisher is
-            taken (the loss you compute should be its negative log).
-        loss_reduction: ``"mean"`` or ``"sum"``, as the loss you compute reduces.
-        logits_fn: maps the model output to the logits (batch first); default
-            :func:`default_logits`.
-        seed: seeds the Monte-Carlo draws (saved by ``state_dict``).
+        **fisher: the Fisher options of :class:`~leantrain.precond._fisher.FisherMaker`
+            (``fisher_type``, ``n_mc_samples``, ``loss_type``, ...).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        config: PreconditioningConfig | None = None,
-        *,
-        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"] = "fisher_mc",
-        n_mc_samples: int = 1,
-        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        logits_fn: Callable[[Any], Tensor] | None = None,
-        seed: int = 0,
+        config: PreconditioningConfig | None,
+        **fisher: Any,
     ) -> None:
-        if fisher_type not in FISHER_TYPES:
-            raise ValueError(
-                f"fisher_type must be one of {FISHER_TYPES}, got {fisher_type!r}"
-            )
-        if isinstance(n_mc_samples, bool) or not isinstance(n_mc_samples, int):
-            raise TypeError(f"n_mc_samples must be an int, got {n_mc_samples!r}")
-        if n_mc_samples < 1:
-            raise ValueError(f"n_mc_samples must be >= 1, got {n_mc_samples}")
-        if loss_type not in ("cross_entropy", "mse"):
-            raise ValueError(
-                f"loss_type must be 'cross_entropy' or 'mse', got {loss_type!r}"
-            )
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(
-                f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
-            )
-        if logits_fn is not None and not callable(logits_fn):
-            raise TypeError(f"logits_fn must be callable, got {logits_fn!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        self.fisher_type = fisher_type
-        self.n_mc_samples = n_mc_samples
-        self.loss_type = loss_type
-        self.loss_reduction = loss_reduction
-        self.logits_fn = logits_fn or default_logits
-        self.generator = torch.Generator().manual_seed(seed)
         # Per module name: {"A": [..], "B": [..], "rows": [..]} or {"unit": tensor}.
         self.factors: dict[str, dict[str, Any]] = {}
         self._stats: dict[str, dict] = {}
-        super().__init__(model, config)
+        super().__init__(model, config, **fisher)
         inner = unwrap_model(model)
         selected = {name for name, _ in self.modules()}
         # The collector refuses modules it cannot handle, and ignoring by name covers
@@ -309,9 +161,9 @@ class KronFactorMaker(PreconditionedGradientMaker):
                 p.requires_grad_(True)
         self.ops: dict[str, ModuleOp] = self._collector.ops
         # Output-gradient / input pairs of the layers whose weight gradient was
-        # skipped this step (see _LinearCapture); precondition() consumes them.
+        # skipped this step (see LinearCapture); precondition() consumes them.
         self._captured: dict[str, tuple[Tensor, Tensor]] = {}
-        self._capture = _LinearCapture(
+        self._capture = LinearCapture(
             {
                 name: op.module
                 for name, op in self.ops.items()
@@ -320,13 +172,6 @@ class KronFactorMaker(PreconditionedGradientMaker):
         )
 
     factored_gradients = False
-
-    def is_supported(self, module: nn.Module) -> bool:
-        """Linear (and subclasses), Conv2d, Embedding, LayerNorm, BatchNorm1d/2d and
-        the packed ``in_proj`` of MultiheadAttention, owning trainable parameters."""
-        return isinstance(module, SUPPORTED_MODULES) and any(
-            p.requires_grad for p in module.parameters(recurse=False)
-        )
 
     # -- the passes -------------------------------------------------------------
     def _capturing(self) -> bool:
@@ -369,7 +214,7 @@ class KronFactorMaker(PreconditionedGradientMaker):
             retain_graph=retain_graph,
             allow_unused=True,
         )
-        self._accumulate_grads(params, list(grads[: len(params)]))
+        self._add_grads(params, list(grads[: len(params)]))
         self._captured = {
             name: (x, torch.zeros_like(out) if e is None else e)
             for (name, (x, out)), e in zip(
@@ -379,20 +224,12 @@ class KronFactorMaker(PreconditionedGradientMaker):
         return grads[len(params) + len(outputs) :]
 
     def _curvature_pass(self) -> tuple[Any, Tensor]:
-        inner = unwrap_model(self.model)
-        fn = self.model_call[0]
-        if isinstance(fn, nn.Module) and unwrap_model(fn) is inner:
-            fn = inner  # bypass DDP: we average gradient and factors ourselves
+        fn = self._unwrapped_call()  # we average gradient and factors ourselves
         capture = self._capture if self._capturing() else contextlib.nullcontext()
         with torch.enable_grad(), self._collector, capture:
             output = self._call_model(fn)
             loss = self._loss_from_output(output)
-            logits = self.logits_fn(output)
-            if not isinstance(logits, Tensor) or not logits.requires_grad:
-                raise TypeError(
-                    "logits_fn must return the logits tensor of the model output "
-                    "(attached to the graph)"
-                )
+            logits = self._logits(output)
             emp = self.fisher_type == "fisher_emp"
             dlogits = self._loss_grads(loss, [logits] if emp else [], retain_graph=True)
             self._collector.accumulate(
@@ -402,41 +239,6 @@ class KronFactorMaker(PreconditionedGradientMaker):
         self._collector.reset()
         self._sync_stats()
         return output, loss.detach()
-
-    def _accumulate_grads(self, params: list[Tensor], grads: list) -> None:
-        grads = [
-            torch.zeros_like(p) if g is None else g
-            for p, g in zip(params, grads, strict=True)
-        ]
-        self._all_reduce_mean(grads)
-        for p, g in zip(params, grads, strict=True):
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
-
-    def _vectors(self, logits: Tensor, dlogits: Tensor | None) -> list[Tensor]:
-        spec = as_loss_spec(self.loss_type)
-        spec = type(spec)(spec.name, self.loss_reduction)
-        out = logits.detach()
-        if spec.name == "cross_entropy":
-            targets = torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
-        else:
-            targets = torch.zeros_like(out)
-        if self.fisher_type == "fisher_emp":
-            # The loss gradient is r * grad(l_n); the empirical Fisher wants sqrt(r).
-            r = reduction_factor(spec, out, targets)
-            return [dlogits / math.sqrt(r)]
-        return list(
-            output_vectors(
-                self.fisher_type,
-                spec,
-                out,
-                targets,
-                n_mc_samples=self.n_mc_samples,
-                generator=self.generator,
-            )
-        )
 
     def _sync_stats(self) -> None:
         tensors = []
@@ -470,6 +272,30 @@ class KronFactorMaker(PreconditionedGradientMaker):
         self._stats = {}
 
     # -- state ------------------------------------------------------------------
+    # ``state['extra']`` holds the factors, the subclass's preconditioner tensors
+    # (flat name -> tensor, under this key) and the Monte-Carlo generator.
+    preconditioner_key = "preconditioner"
+
+    def _preconditioner_state(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _load_preconditioner_state(self, tensors: dict[str, Tensor]) -> None:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "factors": self._factor_state(),
+            self.preconditioner_key: self._preconditioner_state(),
+            "generator": self._generator_state(),
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        keys = ("factors", self.preconditioner_key, "generator")
+        check_extra_state(state, keys, tensor_maps=keys[:2])
+        self._load_factor_state(state["factors"])
+        self._load_preconditioner_state(state[self.preconditioner_key])
+        self.generator.set_state(state["generator"].clone())
+
     def _factor_state(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for name, f in self.factors.items():
@@ -507,6 +333,3 @@ class KronFactorMaker(PreconditionedGradientMaker):
                 ]
             )
         self.factors = factors
-
-    def _generator_state(self) -> Tensor:
-        return self.generator.get_state()

@@ -18,9 +18,8 @@ attention) keep their per-example gradients ``(N, R, U)`` explicitly.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,11 +134,7 @@ class WoodburyMaker(HookedMaker):
         self,
         model: nn.Module,
         config: PreconditioningConfig | None = None,
-        *,
-        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        logits_fn: Callable[[Any], Tensor] | None = None,
-        seed: int = 0,
+        **fisher: Any,
     ) -> None:
         if config is not None and getattr(config, "ema_decay", None) is not None:
             raise ValueError(
@@ -155,10 +150,7 @@ class WoodburyMaker(HookedMaker):
             shapes=(),
             keep_sites=True,
             fisher_type="fisher_emp",
-            loss_type=loss_type,
-            loss_reduction=loss_reduction,
-            logits_fn=logits_fn,
-            seed=seed,
+            **fisher,  # loss_type, loss_reduction, logits_fn, seed
         )
 
     def update_curvature(self) -> None:

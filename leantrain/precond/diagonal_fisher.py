@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from leantrain.precond._checks import check_extra_state
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
@@ -262,15 +263,8 @@ class DiagonalEmpiricalFisherGradientMaker(PreconditionedGradientMaker):
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {"curvature", "preconditioner"}:
-            raise ValueError(
-                "state['extra'] must hold 'curvature' and 'preconditioner'"
-            )
-        for key, tensors in state.items():
-            if not isinstance(tensors, dict) or not all(
-                isinstance(v, Tensor) for v in tensors.values()
-            ):
-                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
+        keys = ("curvature", "preconditioner")
+        check_extra_state(state, keys, tensor_maps=keys)
         self.curvature = {k: v.clone() for k, v in state["curvature"].items()}
         self.preconditioner = {k: v.clone() for k, v in state["preconditioner"].items()}
 

@@ -206,7 +206,9 @@ class EkfacGradientMaker(KronFactorMaker):
             write_canonical(op, out)
 
     # -- state ------------------------------------------------------------------
-    def _extra_state(self) -> dict[str, Any]:
+    preconditioner_key = "eigen"
+
+    def _preconditioner_state(self) -> dict[str, Tensor]:
         tensors: dict[str, Tensor] = {}
         for name, bases in self.bases.items():
             for i, (qa, qb) in enumerate(bases):
@@ -214,27 +216,11 @@ class EkfacGradientMaker(KronFactorMaker):
         for name, scales in self.scaling.items():
             for i, s in enumerate(scales):
                 tensors[f"{name}/S{i}"] = s
-        return {
-            "factors": self._factor_state(),
-            "eigen": tensors,
-            "generator": self._generator_state(),
-        }
+        return tensors
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {
-            "factors",
-            "eigen",
-            "generator",
-        }:
-            raise ValueError("state['extra'] must hold 'factors', 'eigen', 'generator'")
-        for key in ("factors", "eigen"):
-            if not isinstance(state[key], dict) or not all(
-                isinstance(v, Tensor) for v in state[key].values()
-            ):
-                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
-        self._load_factor_state(state["factors"])
+    def _load_preconditioner_state(self, tensors: dict[str, Tensor]) -> None:
         found: dict[str, dict[str, dict[int, Tensor]]] = {}
-        for key, value in state["eigen"].items():
+        for key, value in tensors.items():
             name, _, part = key.rpartition("/")
             kind, index = part.rstrip("0123456789"), int(part.lstrip("QABS"))
             found.setdefault(name, {}).setdefault(kind, {})[index] = value.clone()
@@ -248,5 +234,4 @@ class EkfacGradientMaker(KronFactorMaker):
             for n, f in found.items()
             if "S" in f
         }
-        self.generator.set_state(state["generator"].clone())
         self.update_preconditioner()  # a pure function of the loaded state

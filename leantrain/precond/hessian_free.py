@@ -28,8 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._autograd_maker import AutogradMaker
-from leantrain.precond._hooked import check_choice
-from leantrain.precond._kron import default_logits
+from leantrain.precond._checks import check_choice
+from leantrain.precond._fisher import default_logits
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["HessianFreeGradientMaker", "conjugate_gradient"]

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from leantrain.precond._checks import check_extra_state
 from leantrain.precond._kron import damped_inverse, read_canonical, write_canonical
 from leantrain.precond.curv.modules import make_op
 from leantrain.precond.gradient_maker import unwrap_model
@@ -279,14 +280,8 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        keys = {"a_factor", "a_inverse", "h_inverse", "previous_params", "bfgs_updates"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise ValueError(f"state['extra'] must hold {sorted(keys)}")
-        for key in keys - {"bfgs_updates"}:
-            if not isinstance(state[key], dict) or not all(
-                isinstance(v, Tensor) for v in state[key].values()
-            ):
-                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
+        maps = ("a_factor", "a_inverse", "h_inverse", "previous_params")
+        check_extra_state(state, (*maps, "bfgs_updates"), tensor_maps=maps)
         self.a_factor = {k: v.clone() for k, v in state["a_factor"].items()}
         self.a_inverse = {k: v.clone() for k, v in state["a_inverse"].items()}
         self.h_inverse = {k: v.clone() for k, v in state["h_inverse"].items()}

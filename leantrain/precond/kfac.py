@@ -110,7 +110,8 @@ def write_factored(
     r"""``.grad`` of a Linear from its inputs ``x`` ``(N, J)`` and output-gradients
     ``e`` ``(N, R)``: ``(B^{-1} E^T)([X, 1] A^{-1})`` split into weight and bias, or
     the plain ``E^T [X, 1]`` without ``a`` and ``b``. Equals ``B^{-1} G A^{-1}``
-    with ``G = E^T [X, 1]`` (see :func:`~leantrain.precond._kron.factored_is_cheaper`).
+    with ``G = E^T [X, 1]``
+    (see :func:`~leantrain.precond._factored.factored_is_cheaper`).
     ``a`` and ``b`` are the damped inverses, or with ``cholesky`` their lower
     Cholesky factors (applied by triangular solves).
     """
@@ -204,7 +205,7 @@ class KfacGradientMaker(KronFactorMaker):
             )
         self.damping_mode = damping_mode
         # Factored damping: wide linear layers skip their weight gradient and are
-        # preconditioned as (B^-1 E^T)(X A^-1) (see _kron.factored_is_cheaper).
+        # preconditioned as (B^-1 E^T)(X A^-1) (see _factored.factored_is_cheaper).
         self.factored_gradients = damping_mode != "exact"
         # Per module: {"A": [..], "B": [..]} inverses (or eigenpairs for "exact"),
         # or {"unit": (R, U, U) inverses}.
@@ -293,7 +294,9 @@ class KfacGradientMaker(KronFactorMaker):
         return inv["B"][i].to(dtype) @ g @ inv["A"][i].to(dtype)
 
     # -- state ------------------------------------------------------------------
-    def _extra_state(self) -> dict[str, Any]:
+    preconditioner_key = "inverses"
+
+    def _preconditioner_state(self) -> dict[str, Tensor]:
         inverses: dict[str, Tensor] = {}
         for name, inv in self.inverses.items():
             if "unit" in inv:
@@ -307,30 +310,12 @@ class KfacGradientMaker(KronFactorMaker):
                         inverses[f"{name}/{key}{i}/vectors"] = item[1]
                     else:
                         inverses[f"{name}/{key}{i}{suffix}"] = item
-        return {
-            "factors": self._factor_state(),
-            "inverses": inverses,
-            "generator": self._generator_state(),
-        }
+        return inverses
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {
-            "factors",
-            "inverses",
-            "generator",
-        }:
-            raise ValueError(
-                "state['extra'] must hold 'factors', 'inverses' and 'generator'"
-            )
-        for key in ("factors", "inverses"):
-            if not isinstance(state[key], dict) or not all(
-                isinstance(v, Tensor) for v in state[key].values()
-            ):
-                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
-        self._load_factor_state(state["factors"])
+    def _load_preconditioner_state(self, tensors: dict[str, Tensor]) -> None:
         inverses: dict[str, dict[str, Any]] = {}
         pending: dict[tuple[str, str, int], dict[str, Tensor]] = {}
-        for key, value in state["inverses"].items():
+        for key, value in tensors.items():
             parts = key.split("/")
             if parts[-1] == "cholesky":  # a Cholesky factor (preconditioner interval 1)
                 parts = parts[:-1]
@@ -355,4 +340,3 @@ class KfacGradientMaker(KronFactorMaker):
                 if side in entry:
                     entry[side] = [entry[side][i] for i in range(len(entry[side]))]
         self.inverses = inverses
-        self.generator.set_state(state["generator"].clone())

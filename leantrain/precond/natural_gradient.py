@@ -29,7 +29,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from leantrain.precond._hooked import HookedMaker, check_choice
+from leantrain.precond._checks import check_choice, check_extra_state
+from leantrain.precond._hooked import HookedMaker
 from leantrain.precond._kron import read_canonical, write_canonical
 from leantrain.precond.preconditioned import PreconditioningConfig
 
@@ -235,22 +236,11 @@ class NaturalGradientMaker(HookedMaker):
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {
-            "fisher",
-            "preconditioner",
-            "generator",
-        }:
-            raise ValueError(
-                "state['extra'] must hold 'fisher', 'preconditioner' and 'generator'"
-            )
+        keys = ("fisher", "preconditioner", "generator")
+        check_extra_state(state, keys, tensor_maps=keys[:2])
         known = {""} if self.shape == "full" else set(self.ops)
-        for key in ("fisher", "preconditioner"):
-            value = state[key]
-            if not isinstance(value, dict) or not all(
-                isinstance(v, Tensor) for v in value.values()
-            ):
-                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
-            unknown = set(value) - known
+        for key in keys[:2]:
+            unknown = set(state[key]) - known
             if unknown:
                 raise ValueError(
                     f"state['extra'][{key!r}] names modules {sorted(unknown)} that "

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._autograd_maker import AutogradMaker
+from leantrain.precond._checks import check_extra_state
 from leantrain.precond.curv import robust_eigh
 from leantrain.precond.curv.api import _hessian_columns
 from leantrain.precond.curv.linalg import symmetrize
@@ -125,8 +126,7 @@ class NewtonGradientMaker(AutogradMaker):
         return {"hessian": self.hessian, "inverse": self.inverse}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {"hessian", "inverse"}:
-            raise ValueError("state['extra'] must hold 'hessian' and 'inverse'")
+        check_extra_state(state, ("hessian", "inverse"))
         for key, value in state.items():
             if value is not None and not isinstance(value, Tensor):
                 raise TypeError(f"state['extra'][{key!r}] must be a tensor or None")

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.linalg import solve_triangular
 
+from leantrain.precond._checks import check_extra_state
 from leantrain.precond._kron import read_canonical, write_canonical
 from leantrain.precond.curv.modules import make_op
 from leantrain.precond.gradient_maker import unwrap_model
@@ -272,8 +273,7 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {"factors", "generator"}:
-            raise ValueError("state['extra'] must hold 'factors' and 'generator'")
+        check_extra_state(state, ("factors", "generator"))
         expected = {f"{n}/{s}" for n in self.ops for s in "LR"}
         if set(state["factors"]) != expected:
             raise ValueError(

@@ -61,58 +61,65 @@ class MethodSpec:
 
 
 _EVERY_10 = {"curvature_interval": 10, "preconditioner_interval": 10}
+# Kronecker makers: bias-corrected EMA of the factors; damping per family below.
+_KFAC_CONFIG = {"damping": 1e-2, "ema_decay": 0.95}
+_SHAMPOO_CONFIG = {"damping": 1e-4, "ema_decay": 0.95}
 
 
 def _spec(module: str, cls: str, **rest: Any) -> MethodSpec:
     return MethodSpec(f"leantrain.precond.{module}", cls, **rest)
 
 
+def _kfac(*, every_10: bool = False) -> MethodSpec:
+    config = {**_KFAC_CONFIG, **_EVERY_10} if every_10 else dict(_KFAC_CONFIG)
+    return _spec(
+        "kfac",
+        "KfacGradientMaker",
+        config=config,
+        kwargs={"fisher_type": "fisher_mc"},
+        lr=0.01,
+        note="MC Fisher, interval 10" if every_10 else "MC Fisher, every step",
+    )
+
+
+def _shampoo(*, every_10: bool = False) -> MethodSpec:
+    config = {**_SHAMPOO_CONFIG, **_EVERY_10} if every_10 else dict(_SHAMPOO_CONFIG)
+    return _spec(
+        "shampoo",
+        "ShampooGradientMaker",
+        config=config,
+        lr=0.01,
+        note="interval 10" if every_10 else "every step",
+    )
+
+
+def _ng(shape: str) -> MethodSpec:
+    # Full and layer-wise Fisher blocks are dense P x P (or per-layer) matrices.
+    return _spec(
+        "natural_gradient",
+        "NaturalGradientMaker",
+        config={"damping": 1e-1},
+        kwargs={"fisher_type": "fisher_mc", "shape": shape},
+        lr=0.03,
+        dense=shape in ("full", "layer"),
+    )
+
+
 PRECOND_METHODS: dict[str, MethodSpec] = {
     # K-FAC family: the settings of docs/precond_methods_kron.md (tuned on the MLP).
-    "kfac": _spec(
-        "kfac",
-        "KfacGradientMaker",
-        config={"damping": 1e-2, "ema_decay": 0.95},
-        kwargs={"fisher_type": "fisher_mc"},
-        lr=0.01,
-        note="MC Fisher, every step",
-    ),
-    "kfac_10": _spec(
-        "kfac",
-        "KfacGradientMaker",
-        config={"damping": 1e-2, "ema_decay": 0.95, **_EVERY_10},
-        kwargs={"fisher_type": "fisher_mc"},
-        lr=0.01,
-        note="MC Fisher, interval 10",
-    ),
+    "kfac": _kfac(),
+    "kfac_10": _kfac(every_10=True),
     "ekfac": _spec(
         "ekfac",
         "EkfacGradientMaker",
-        config={"damping": 1e-2, "ema_decay": 0.95},
+        config=dict(_KFAC_CONFIG),
         kwargs={"fisher_type": "fisher_mc"},
         lr=0.01,
     ),
-    "shampoo": _spec(
-        "shampoo",
-        "ShampooGradientMaker",
-        config={"damping": 1e-4, "ema_decay": 0.95},
-        lr=0.01,
-        note="every step",
-    ),
-    "shampoo_10": _spec(
-        "shampoo",
-        "ShampooGradientMaker",
-        config={"damping": 1e-4, "ema_decay": 0.95, **_EVERY_10},
-        lr=0.01,
-        note="interval 10",
-    ),
+    "shampoo": _shampoo(),
+    "shampoo_10": _shampoo(every_10=True),
     "psgd": _spec("psgd", "PsgdGradientMaker", lr=0.01, note="hvp, every step"),
-    "kbfgs": _spec(
-        "kbfgs",
-        "KbfgsGradientMaker",
-        config={"damping": 1e-2, "ema_decay": 0.95},
-        lr=0.01,
-    ),
+    "kbfgs": _spec("kbfgs", "KbfgsGradientMaker", config=dict(_KFAC_CONFIG), lr=0.01),
     # This file's methods: damping / lr from a grid on 60 steps (see the docs page).
     "seng": _spec(
         "seng",
@@ -139,36 +146,7 @@ PRECOND_METHODS: dict[str, MethodSpec] = {
         dense=True,
         note="|H|, dense Hessian",
     ),
-    "ng_full": _spec(
-        "natural_gradient",
-        "NaturalGradientMaker",
-        config={"damping": 1e-1},
-        kwargs={"fisher_type": "fisher_mc", "shape": "full"},
-        lr=0.03,
-        dense=True,
-    ),
-    "ng_layer": _spec(
-        "natural_gradient",
-        "NaturalGradientMaker",
-        config={"damping": 1e-1},
-        kwargs={"fisher_type": "fisher_mc", "shape": "layer"},
-        lr=0.03,
-        dense=True,
-    ),
-    "ng_unit": _spec(
-        "natural_gradient",
-        "NaturalGradientMaker",
-        config={"damping": 1e-1},
-        kwargs={"fisher_type": "fisher_mc", "shape": "unit"},
-        lr=0.03,
-    ),
-    "ng_diag": _spec(
-        "natural_gradient",
-        "NaturalGradientMaker",
-        config={"damping": 1e-1},
-        kwargs={"fisher_type": "fisher_mc", "shape": "diag"},
-        lr=0.03,
-    ),
+    **{f"ng_{shape}": _ng(shape) for shape in ("full", "layer", "unit", "diag")},
 }
 
 

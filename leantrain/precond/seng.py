@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from leantrain.precond._checks import check_extra_state
 from leantrain.precond._kron import read_canonical, write_canonical
 from leantrain.precond._smw import WoodburyMaker
 from leantrain.precond.curv import robust_eigh
@@ -161,14 +162,7 @@ class SengGradientMaker(WoodburyMaker):
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {
-            "factors",
-            "eigen",
-            "generator",
-        }:
-            raise ValueError(
-                "state['extra'] must hold 'factors', 'eigen' and 'generator'"
-            )
+        check_extra_state(state, ("factors", "eigen", "generator"))
         eigen: dict[str, dict[str, Tensor]] = {}
         for key, value in state["eigen"].items():
             name, _, part = key.rpartition("/")

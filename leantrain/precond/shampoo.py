@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from leantrain.precond._checks import check_int
-from leantrain.precond._kron import _LinearCapture
+from leantrain.precond._checks import check_extra_state, check_int
+from leantrain.precond._factored import LinearCapture
 from leantrain.precond.curv import robust_eigh
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
@@ -120,8 +120,8 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         }
         # Between curvature steps a wide nn.Linear skips its weight gradient: its
         # preconditioned weight gradient is formed as (L^{-1/4} E^T)(X R^{-1/4}) from
-        # the output-gradients E and inputs X (see _kron.factored_is_cheaper).
-        self._capture = _LinearCapture(
+        # the output-gradients E and inputs X (see _factored.factored_is_cheaper).
+        self._capture = LinearCapture(
             {
                 name: module
                 for name, module in self.modules()
@@ -271,14 +271,10 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         return {"statistics": flat(self.statistics), "roots": flat(self.roots)}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {"statistics", "roots"}:
-            raise ValueError("state['extra'] must hold 'statistics' and 'roots'")
+        keys = ("statistics", "roots")
+        check_extra_state(state, keys, tensor_maps=keys)
         out = {}
-        for key in ("statistics", "roots"):
-            if not isinstance(state[key], dict) or not all(
-                isinstance(v, Tensor) for v in state[key].values()
-            ):
-                raise TypeError(f"state['extra'][{key!r}] must map names to tensors")
+        for key in keys:
             nested: dict[str, dict[int, dict[int, Tensor]]] = {}
             for flat_key, value in state[key].items():
                 name, k, i = flat_key.rsplit("/", 2)

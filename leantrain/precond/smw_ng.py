@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from leantrain.precond._checks import check_extra_state
 from leantrain.precond._kron import read_canonical, write_canonical
 from leantrain.precond._smw import WoodburyMaker
 from leantrain.precond.preconditioned import PreconditioningConfig
@@ -133,8 +134,7 @@ class SmwNgGradientMaker(WoodburyMaker):
         return {"factors": self._factor_state(), "cholesky": self.cholesky}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {"factors", "cholesky"}:
-            raise ValueError("state['extra'] must hold 'factors' and 'cholesky'")
+        check_extra_state(state, ("factors", "cholesky"))
         chol = state["cholesky"]
         if chol is not None and not isinstance(chol, Tensor):
             raise TypeError(

@@ -2,10 +2,13 @@
 
 Everything here is computed independently of leantrain's hooks: the curvature from
 ``torch.func`` (``leantrain.precond.curv.reference``), block masks from the module
-shapes, and solves with ``torch.linalg.solve``.
+shapes, and solves with ``torch.linalg.solve``. The test setup the natural-gradient
+family's test modules share (``make_net``, ``batch``, ``run_maker``) lives here too.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,48 @@ class NormNet(nn.Module):
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def make_net(name: str) -> nn.Module:
+    """The float64 test model ``"mlp"``, ``"conv"`` or ``"norm"`` (fresh weights)."""
+    nets = {
+        "mlp": mlp,
+        "conv": lambda: ConvNet().double(),
+        "norm": lambda: NormNet().double(),
+    }
+    return nets[name]()
+
+
+def batch(model: nn.Module, n: int = 6, seed: int = 0):
+    """``(x, t)``: ``n`` float64 inputs shaped for ``model`` and 3-class targets."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n, 1, 5, 5) if isinstance(model, ConvNet) else (n, 4)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    return x, torch.randint(0, 3, (n,), generator=gen)
+
+
+def run_maker(gm, model: nn.Module, x, t) -> torch.Tensor:
+    """One ``forward_and_backward`` of ``gm`` on a cross-entropy loss from zeroed
+    gradients; returns the resulting flat ``.grad``."""
+    model.zero_grad()
+    y = gm.setup_model_call(model, x)
+    gm.setup_loss_call(F.cross_entropy, y, t)
+    gm.forward_and_backward()
+    return read_grads(model)
+
+
+def assert_resumes_bit_exactly(gm_a, a: nn.Module, b: nn.Module, make_maker, steps):
+    """``b`` (a copy of ``a`` taken before training) gets ``a``'s weights and a fresh
+    ``make_maker(b)`` gets ``gm_a``'s state dict; on the batches seeded ``steps``
+    both runs then give bit-equal gradients."""
+    b.load_state_dict(a.state_dict())
+    gm_b = make_maker(b)
+    gm_b.load_state_dict(copy.deepcopy(gm_a.state_dict()))
+    for step in steps:
+        assert torch.equal(
+            run_maker(gm_a, a, *batch(a, seed=step)),
+            run_maker(gm_b, b, *batch(b, seed=step)),
+        )
 
 
 def flat_grad(model: nn.Module, x, t) -> torch.Tensor:

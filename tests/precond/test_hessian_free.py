@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from _ng_reference import ConvNet, NormNet, damped_solve, flat_grad, mlp, read_grads
+from _ng_reference import (
+    batch,
+    damped_solve,
+    flat_grad,
+    make_net,
+    mlp,
+    run_maker,
+)
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond.curv import dense_ggn, dense_hessian
 from leantrain.precond.hessian_free import HessianFreeGradientMaker, conjugate_gradient
-
-
-def _batch(model, n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (n, 1, 5, 5) if isinstance(model, ConvNet) else (n, 4)
-    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return x, torch.randint(0, 3, (n,), generator=gen)
-
-
-def _run(gm, model, x, t):
-    model.zero_grad()
-    y = gm.setup_model_call(model, x)
-    gm.setup_loss_call(F.cross_entropy, y, t)
-    gm.forward_and_backward()
-    return read_grads(model)
 
 
 def test_cg_solves_spd_system():
@@ -51,12 +42,8 @@ def test_cg_stops_on_negative_curvature():
 @pytest.mark.parametrize("net", ["mlp", "conv", "norm"])
 def test_cg_matches_direct_solve(net, curvature):
     torch.manual_seed(0)
-    model = {
-        "mlp": mlp,
-        "conv": lambda: ConvNet().double(),
-        "norm": lambda: NormNet().double(),
-    }[net]()
-    x, t = _batch(model)
+    model = make_net(net)
+    x, t = batch(model)
     dense = dense_ggn if curvature == "ggn" else dense_hessian
     c = dense(model, nn.CrossEntropyLoss(), x, t)
     damping = 0.1 + max(0.0, -float(torch.linalg.eigvalsh(c).min()))
@@ -69,7 +56,7 @@ def test_cg_matches_direct_solve(net, curvature):
         max_iters=4 * p,
         tol=1e-13,
     )
-    got = _run(gm, model, x, t)
+    got = run_maker(gm, model, x, t)
     assert (expected - got).abs().max() <= 1e-8 * max(1.0, float(expected.abs().max()))
     assert gm.curvature_updates == 1 and gm.last_iterations < 4 * p
 

@@ -52,11 +52,19 @@ def plain_grads(model, x, t):
     return ref
 
 
-@pytest.mark.parametrize("kind", ["fisher_exact", "fisher_emp"])
-def test_exact_damping_equals_dense_inverse(kind):
-    model, (x, t), lam = mlp(), batch(), 1e-2
+def factor_dampings(a, b, lam, mode):
+    """``(damp_a, damp_b)`` of the ``"pi"`` or ``"tikhonov"`` rule, written out."""
+    if mode == "pi":
+        pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
+        return pi * lam**0.5, lam**0.5 / pi
+    return lam**0.5, lam**0.5
+
+
+def assert_exact_damping_equals_dense(model, x, t, names, kind, lam=1e-2):
+    """One step of K-FAC with ``damping_mode="exact"`` gives, per module in ``names``,
+    the dense ``(B ⊗ A + λ I)^{-1} g`` of the reference factors."""
     ref = plain_grads(model, x, t)
-    factors = kron_factors(ref, x, t, ["0", "2"], kind)
+    factors = kron_factors(ref, x, t, list(names), kind)
     gm = KfacGradientMaker(
         model,
         PreconditioningConfig(damping=lam),
@@ -64,13 +72,19 @@ def test_exact_damping_equals_dense_inverse(kind):
         damping_mode="exact",
     )
     step(gm, model, x, t)
-    for name in ("0", "2"):
+    for name in names:
         a, b = factors[name]
         want = dense_solve(
             a, b, canonical_grad(dict(ref.named_modules())[name]), damping=lam
         )
         got = canonical_grad(dict(model.named_modules())[name])
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["fisher_exact", "fisher_emp"])
+def test_exact_damping_equals_dense_inverse(kind):
+    model, (x, t) = mlp(), batch()
+    assert_exact_damping_equals_dense(model, x, t, ("0", "2"), kind)
 
 
 @pytest.mark.parametrize("mode", ["pi", "tikhonov"])
@@ -87,11 +101,7 @@ def test_factored_damping_equals_its_formula(mode):
     step(gm, model, x, t)
     for name in ("0", "2"):
         a, b = factors[name]
-        if mode == "pi":
-            pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
-            damp_a, damp_b = pi * lam**0.5, lam**0.5 / pi
-        else:
-            damp_a = damp_b = lam**0.5
+        damp_a, damp_b = factor_dampings(a, b, lam, mode)
         g = canonical_grad(dict(ref.named_modules())[name])
         want = dense_solve(a, b, g, damp_a=damp_a, damp_b=damp_b)
         got = canonical_grad(dict(model.named_modules())[name])
@@ -102,24 +112,8 @@ def test_factored_damping_equals_its_formula(mode):
 
 
 def test_cnn_exact_damping_equals_dense():
-    model, lam = cnn(), 1e-2
-    x, t = batch((6, 2, 4, 4))
-    ref = plain_grads(model, x, t)
-    factors = kron_factors(ref, x, t, ["0", "3"], "fisher_emp")
-    gm = KfacGradientMaker(
-        model,
-        PreconditioningConfig(damping=lam),
-        fisher_type="fisher_emp",
-        damping_mode="exact",
-    )
-    step(gm, model, x, t)
-    for name in ("0", "3"):
-        a, b = factors[name]
-        want = dense_solve(
-            a, b, canonical_grad(dict(ref.named_modules())[name]), damping=lam
-        )
-        got = canonical_grad(dict(model.named_modules())[name])
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    model, (x, t) = cnn(), batch((6, 2, 4, 4))
+    assert_exact_damping_equals_dense(model, x, t, ("0", "3"), "fisher_emp")
 
 
 def test_mc_fisher_averages_samples_towards_exact():
@@ -213,16 +207,11 @@ def test_embedding_and_attention_are_preconditioned():
     torch.testing.assert_close(a, torch.diag(counts))
     b = gm.factors["embed"]["B"][0]
     g = ref.embed.weight.grad.T  # canonical: (dim, vocab)
-    want = dense_solve(a, b, g, *_pi(a, b, 1e-2))
+    want = dense_solve(a, b, g, *factor_dampings(a, b, 1e-2, "pi"))
     torch.testing.assert_close(model.embed.weight.grad.T, want, rtol=1e-8, atol=1e-12)
     assert not torch.allclose(
         model.attn.in_proj_weight.grad, ref.attn.in_proj_weight.grad
     )
-
-
-def _pi(a, b, lam):
-    pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
-    return pi * lam**0.5, lam**0.5 / pi
 
 
 def test_interval_updates_on_due_steps_and_reuses_stale_inverse():
@@ -350,11 +339,7 @@ def factored_want(ref, x, t, mode, lam, names=("0", "2", "4")):
     want = {}
     for name in names:
         a, b = factors[name]
-        if mode == "pi":
-            pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
-            damp_a, damp_b = pi * lam**0.5, lam**0.5 / pi
-        else:
-            damp_a = damp_b = lam**0.5
+        damp_a, damp_b = factor_dampings(a, b, lam, mode)
         g = canonical_grad(dict(ref.named_modules())[name])
         want[name] = dense_solve(a, b, g, damp_a=damp_a, damp_b=damp_b)
     return want

@@ -6,15 +6,15 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _ng_reference import (
-    ConvNet,
-    NormNet,
+    assert_resumes_bit_exactly,
+    batch,
     block_mask,
     damped_solve,
     flat_grad,
+    make_net,
     mlp,
-    read_grads,
+    run_maker,
 )
 from torch import nn
 
@@ -25,34 +25,13 @@ from leantrain.precond.natural_gradient import NaturalGradientMaker, natural_gra
 DAMPING = 1e-2
 
 
-def _batch(model: nn.Module, n: int = 6, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    if isinstance(model, ConvNet):
-        x = torch.randn(n, 1, 5, 5, generator=gen, dtype=torch.float64)
-    else:
-        x = torch.randn(n, 4, generator=gen, dtype=torch.float64)
-    return x, torch.randint(0, 3, (n,), generator=gen)
-
-
-def _run(gm, model, x, t):
-    model.zero_grad()
-    y = gm.setup_model_call(model, x)
-    gm.setup_loss_call(F.cross_entropy, y, t)
-    gm.forward_and_backward()
-    return read_grads(model)
-
-
 @pytest.mark.parametrize("shape", ["full", "layer", "unit", "diag"])
 @pytest.mark.parametrize("kind", ["fisher_exact", "fisher_emp"])
 @pytest.mark.parametrize("net", ["mlp", "conv", "norm"])
 def test_matches_dense_solve(shape, kind, net):
     torch.manual_seed(1)
-    model = {
-        "mlp": mlp,
-        "conv": lambda: ConvNet().double(),
-        "norm": lambda: NormNet().double(),
-    }[net]()
-    x, t = _batch(model)
+    model = make_net(net)
+    x, t = batch(model)
     dense = dense_ggn if kind == "fisher_exact" else dense_empirical_fisher
     fisher = dense(model, nn.CrossEntropyLoss(), x, t)
     fisher = torch.where(block_mask(model, shape), fisher, torch.zeros_like(fisher))
@@ -60,7 +39,7 @@ def test_matches_dense_solve(shape, kind, net):
     gm = NaturalGradientMaker(
         model, PreconditioningConfig(damping=DAMPING), fisher_type=kind, shape=shape
     )
-    got = _run(gm, model, x, t)
+    got = run_maker(gm, model, x, t)
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
 
 
@@ -76,7 +55,7 @@ def test_mc_fisher_is_unbiased_on_average():
     """The MC diagonal averaged over many seeds approaches the exact one."""
     torch.manual_seed(0)
     model = mlp()
-    x, t = _batch(model, n=8)
+    x, t = batch(model, n=8)
     exact = dense_ggn(model, nn.CrossEntropyLoss(), x, t).diagonal()
     gm = NaturalGradientMaker(
         model,
@@ -86,7 +65,7 @@ def test_mc_fisher_is_unbiased_on_average():
         n_mc_samples=400,
         seed=3,
     )
-    _run(gm, model, x, t)
+    run_maker(gm, model, x, t)
     mc = torch.cat([gm.fisher[n].reshape(-1) for n in ("0", "2")])
     # canonical (R, U) = [weight row, bias]; compare the totals (layout-free)
     assert abs(float(mc.sum() / exact.sum()) - 1.0) < 0.1
@@ -104,8 +83,8 @@ def test_interval_schedule_reuses_stale_inverse():
     gm.update_curvature = lambda: (calls.append(gm.step), original())[1]
     stale = None
     for step in range(7):
-        x, t = _batch(model, seed=step)
-        got = _run(gm, model, x, t)
+        x, t = batch(model, seed=step)
+        got = run_maker(gm, model, x, t)
         if step % 3 == 0:
             fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
             stale = torch.where(block_mask(model, "layer"), fisher, 0 * fisher)
@@ -125,15 +104,16 @@ def test_state_dict_resumes_bit_exactly():
     b = copy.deepcopy(a)
     gm_a = NaturalGradientMaker(a, cfg, fisher_type="fisher_mc", shape="unit")
     for step in range(3):
-        _run(gm_a, a, *_batch(a, seed=step))
-    state = copy.deepcopy(gm_a.state_dict())
-    b.load_state_dict(a.state_dict())
-    gm_b = NaturalGradientMaker(b, cfg, fisher_type="fisher_mc", shape="unit", seed=9)
-    gm_b.load_state_dict(state)
-    for step in range(3, 6):
-        ga = _run(gm_a, a, *_batch(a, seed=step))
-        gb = _run(gm_b, b, *_batch(b, seed=step))
-        assert torch.equal(ga, gb)
+        run_maker(gm_a, a, *batch(a, seed=step))
+    assert_resumes_bit_exactly(
+        gm_a,
+        a,
+        b,
+        lambda m: NaturalGradientMaker(
+            m, cfg, fisher_type="fisher_mc", shape="unit", seed=9
+        ),
+        range(3, 6),
+    )
 
 
 def test_errors():

@@ -7,26 +7,20 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _ng_reference import ConvNet, NormNet, damped_solve, flat_grad, mlp, read_grads
+from _ng_reference import (
+    ConvNet,
+    NormNet,
+    assert_resumes_bit_exactly,
+    batch,
+    damped_solve,
+    flat_grad,
+    mlp,
+    run_maker,
+)
 from torch.func import functional_call, hessian
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond.newton import NewtonGradientMaker, newton_direction
-
-
-def _batch(model, n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (n, 1, 5, 5) if isinstance(model, ConvNet) else (n, 4)
-    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return x, torch.randint(0, 3, (n,), generator=gen)
-
-
-def _run(gm, model, x, t):
-    model.zero_grad()
-    y = gm.setup_model_call(model, x)
-    gm.setup_loss_call(F.cross_entropy, y, t)
-    gm.forward_and_backward()
-    return read_grads(model)
 
 
 def func_hessian(model, x, t) -> torch.Tensor:
@@ -50,7 +44,7 @@ def func_hessian(model, x, t) -> torch.Tensor:
 def test_matches_func_hessian_solve(net, absolute):
     torch.manual_seed(0)
     model = mlp() if net == "mlp" else ConvNet().double()
-    x, t = _batch(model)
+    x, t = batch(model)
     h = func_hessian(model, x, t)
     vals, vecs = torch.linalg.eigh(h)
     damping = 0.5 if absolute else float(vals.min().abs()) + 0.5  # keep H + l I > 0
@@ -60,19 +54,23 @@ def test_matches_func_hessian_solve(net, absolute):
     gm = NewtonGradientMaker(
         model, PreconditioningConfig(damping=damping), absolute=absolute
     )
-    torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        run_maker(gm, model, x, t), expected, rtol=1e-9, atol=1e-11
+    )
 
 
 def test_norm_layers_and_reference():
     torch.manual_seed(0)
     model = NormNet().double()
-    x, t = _batch(model)
+    x, t = batch(model)
     from leantrain.precond.curv import dense_hessian
 
     h = dense_hessian(model, "cross_entropy", x, t)  # autograd reference (see docs)
     expected = newton_direction(h, flat_grad(model, x, t), 0.3, absolute=True)
     gm = NewtonGradientMaker(model, PreconditioningConfig(damping=0.3), absolute=True)
-    torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        run_maker(gm, model, x, t), expected, rtol=1e-8, atol=1e-10
+    )
 
 
 def test_interval_and_state_dict():
@@ -84,20 +82,16 @@ def test_interval_and_state_dict():
     b = copy.deepcopy(a)
     gm_a = NewtonGradientMaker(a, cfg, absolute=True)
     for step in range(3):
-        x, t = _batch(a, seed=step)
-        got = _run(gm_a, a, x, t)
+        x, t = batch(a, seed=step)
+        got = run_maker(gm_a, a, x, t)
         if step % 2 == 0:
             h = func_hessian(a, x, t)
         expected = newton_direction(h, flat_grad(a, x, t), 0.5, absolute=True)
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
     assert gm_a.curvature_updates == 2
-    b.load_state_dict(a.state_dict())
-    gm_b = NewtonGradientMaker(b, cfg, absolute=True)
-    gm_b.load_state_dict(copy.deepcopy(gm_a.state_dict()))
-    for step in range(3, 6):
-        assert torch.equal(
-            _run(gm_a, a, *_batch(a, seed=step)), _run(gm_b, b, *_batch(b, seed=step))
-        )
+    assert_resumes_bit_exactly(
+        gm_a, a, b, lambda m: NewtonGradientMaker(m, cfg, absolute=True), range(3, 6)
+    )
 
 
 def test_errors():

@@ -6,17 +6,17 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _ng_reference import (
-    ConvNet,
-    NormNet,
+    assert_resumes_bit_exactly,
+    batch,
     block_mask,
     damped_solve,
     flat_grad,
+    make_net,
     mlp,
     module_slices,
     per_example_grads,
-    read_grads,
+    run_maker,
 )
 from torch import nn
 
@@ -25,21 +25,6 @@ from leantrain.precond.curv import dense_empirical_fisher
 from leantrain.precond.seng import SengGradientMaker
 
 DAMPING = 1e-2
-
-
-def _batch(model, n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (n, 1, 5, 5) if isinstance(model, ConvNet) else (n, 4)
-    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return x, torch.randint(0, 3, (n,), generator=gen)
-
-
-def _run(gm, model, x, t):
-    model.zero_grad()
-    y = gm.setup_model_call(model, x)
-    gm.setup_loss_call(F.cross_entropy, y, t)
-    gm.forward_and_backward()
-    return read_grads(model)
 
 
 def _layerwise(model, fisher, g, rank=None):
@@ -58,12 +43,8 @@ def _layerwise(model, fisher, g, rank=None):
 @pytest.mark.parametrize("net", ["mlp", "conv", "norm"])
 def test_exact_when_sketch_covers_the_batch(net):
     torch.manual_seed(0)
-    model = {
-        "mlp": mlp,
-        "conv": lambda: ConvNet().double(),
-        "norm": lambda: NormNet().double(),
-    }[net]()
-    x, t = _batch(model)
+    model = make_net(net)
+    x, t = batch(model)
     fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
     fisher = torch.where(block_mask(model, "layer"), fisher, 0 * fisher)
     expected = damped_solve(fisher, flat_grad(model, x, t), DAMPING)
@@ -73,13 +54,15 @@ def test_exact_when_sketch_covers_the_batch(net):
         sketching_size=6,
         truncated_rank=None,
     )
-    torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        run_maker(gm, model, x, t), expected, rtol=1e-9, atol=1e-11
+    )
 
 
 def test_truncated_rank_keeps_top_eigenpairs():
     torch.manual_seed(0)
     model = mlp()
-    x, t = _batch(model, n=8)
+    x, t = batch(model, n=8)
     fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
     expected = _layerwise(model, fisher, flat_grad(model, x, t), rank=3)
     gm = SengGradientMaker(
@@ -88,14 +71,16 @@ def test_truncated_rank_keeps_top_eigenpairs():
         sketching_size=64,
         truncated_rank=3,
     )
-    torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        run_maker(gm, model, x, t), expected, rtol=1e-8, atol=1e-10
+    )
 
 
 def test_sketch_uses_drawn_examples_rescaled():
     """Sketch of s < N examples: F = (1/s) sum over the drawn examples of g g^T."""
     torch.manual_seed(0)
     model = mlp()
-    x, t = _batch(model, n=8)
+    x, t = batch(model, n=8)
     keep = torch.randperm(8, generator=torch.Generator().manual_seed(5))[:3]
     u = per_example_grads(model, x, t)[keep]
     fisher = u.T @ u / 3
@@ -107,7 +92,9 @@ def test_sketch_uses_drawn_examples_rescaled():
         truncated_rank=None,
         seed=5,
     )
-    torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        run_maker(gm, model, x, t), expected, rtol=1e-8, atol=1e-10
+    )
 
 
 def test_interval_and_state_dict():
@@ -120,17 +107,17 @@ def test_interval_and_state_dict():
     gm_a = SengGradientMaker(a, cfg, sketching_size=4, truncated_rank=2)
     seen = []
     for step in range(4):
-        _run(gm_a, a, *_batch(a, seed=step))
+        run_maker(gm_a, a, *batch(a, seed=step))
         seen.append(gm_a.eigen["0"][1])
     assert seen[0] is seen[1] is seen[2] and seen[3] is not seen[2]
     assert gm_a.curvature_updates == 2
-    b.load_state_dict(a.state_dict())
-    gm_b = SengGradientMaker(b, cfg, sketching_size=4, truncated_rank=2, seed=7)
-    gm_b.load_state_dict(copy.deepcopy(gm_a.state_dict()))
-    for step in range(4, 8):  # crosses a curvature step with a fresh sketch
-        assert torch.equal(
-            _run(gm_a, a, *_batch(a, seed=step)), _run(gm_b, b, *_batch(b, seed=step))
-        )
+    assert_resumes_bit_exactly(
+        gm_a,
+        a,
+        b,
+        lambda m: SengGradientMaker(m, cfg, sketching_size=4, truncated_rank=2, seed=7),
+        range(4, 8),  # crosses a curvature step with a fresh sketch
+    )
 
 
 def test_errors():

@@ -6,15 +6,15 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _ng_reference import (
-    ConvNet,
-    NormNet,
+    assert_resumes_bit_exactly,
+    batch,
     damped_solve,
     flat_grad,
+    make_net,
     mlp,
     per_example_grads,
-    read_grads,
+    run_maker,
 )
 from torch import nn
 
@@ -25,40 +25,23 @@ from leantrain.precond.smw_ng import SmwNgGradientMaker, smw_natural_gradient
 DAMPING = 1e-2
 
 
-def _batch(model, n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (n, 1, 5, 5) if isinstance(model, ConvNet) else (n, 4)
-    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return x, torch.randint(0, 3, (n,), generator=gen)
-
-
-def _run(gm, model, x, t):
-    model.zero_grad()
-    y = gm.setup_model_call(model, x)
-    gm.setup_loss_call(F.cross_entropy, y, t)
-    gm.forward_and_backward()
-    return read_grads(model)
-
-
 @pytest.mark.parametrize("net", ["mlp", "conv", "norm"])
 def test_matches_dense_solve(net):
     torch.manual_seed(0)
-    model = {
-        "mlp": mlp,
-        "conv": lambda: ConvNet().double(),
-        "norm": lambda: NormNet().double(),
-    }[net]()
-    x, t = _batch(model)
+    model = make_net(net)
+    x, t = batch(model)
     fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
     expected = damped_solve(fisher, flat_grad(model, x, t), DAMPING)
     gm = SmwNgGradientMaker(model, PreconditioningConfig(damping=DAMPING))
-    torch.testing.assert_close(_run(gm, model, x, t), expected, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        run_maker(gm, model, x, t), expected, rtol=1e-9, atol=1e-11
+    )
 
 
 def test_reference_formula_matches_dense():
     torch.manual_seed(0)
     model = mlp()
-    x, t = _batch(model)
+    x, t = batch(model)
     u = per_example_grads(model, x, t).T / x.shape[0] ** 0.5  # U U^T = mean g g^T
     g = flat_grad(model, x, t)
     torch.testing.assert_close(
@@ -74,8 +57,8 @@ def test_interval_reuses_stale_factors():
     )
     gm = SmwNgGradientMaker(model, cfg)
     for step in range(5):
-        x, t = _batch(model, seed=step)
-        got = _run(gm, model, x, t)
+        x, t = batch(model, seed=step)
+        got = run_maker(gm, model, x, t)
         if step % 2 == 0:
             fisher = dense_empirical_fisher(model, nn.CrossEntropyLoss(), x, t)
         torch.testing.assert_close(
@@ -96,14 +79,10 @@ def test_state_dict_resumes_bit_exactly():
     b = copy.deepcopy(a)
     gm_a = SmwNgGradientMaker(a, cfg)
     for step in range(3):
-        _run(gm_a, a, *_batch(a, seed=step))
-    b.load_state_dict(a.state_dict())
-    gm_b = SmwNgGradientMaker(b, cfg)
-    gm_b.load_state_dict(copy.deepcopy(gm_a.state_dict()))
-    for step in range(3, 6):
-        assert torch.equal(
-            _run(gm_a, a, *_batch(a, seed=step)), _run(gm_b, b, *_batch(b, seed=step))
-        )
+        run_maker(gm_a, a, *batch(a, seed=step))
+    assert_resumes_bit_exactly(
+        gm_a, a, b, lambda m: SmwNgGradientMaker(m, cfg), range(3, 6)
+    )
 
 
 def test_errors():

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .extension import CurvatureCollector, build_ops, check_shape, resolve_ignored
+from ._selection import build_ops, resolve_ignored
+from .extension import CurvatureCollector, check_shape
 from .kinds import LossSpec, as_loss_spec, check_kind, loss_value, output_vectors
 from .modules import ModuleOp
 from .representations import Curvature, KronFactor, ModuleCurvature

@@ -1,0 +1,168 @@
+r"""What every Fisher-based maker shares: its options and its backward vectors.
+
+K-FAC / EKFAC (:mod:`~leantrain.precond._kron`) and the hook-based natural-gradient
+family (:mod:`~leantrain.precond._hooked`) run the same curvature pass: one forward
+through the *unwrapped* model, the loss gradient from that graph, then the Fisher
+vectors of ``fisher_type`` back-propagated from the logits. :class:`FisherMaker`
+holds the options of that pass (validated once, here), the Monte-Carlo generator
+and the pieces of the pass both families call; how the curvature is collected
+stays with the subclass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from leantrain.precond._checks import check_choice
+from leantrain.precond.curv import as_loss_spec, output_vectors
+from leantrain.precond.curv.kinds import reduction_factor
+from leantrain.precond.curv.modules import SUPPORTED_MODULES
+from leantrain.precond.gradient_maker import unwrap_model
+from leantrain.precond.preconditioned import (
+    PreconditionedGradientMaker,
+    PreconditioningConfig,
+)
+
+__all__ = ["FISHER_TYPES", "FisherMaker", "default_logits"]
+
+FISHER_TYPES = ("fisher_mc", "fisher_exact", "fisher_emp")
+
+
+def default_logits(output: Any) -> Tensor:
+    """The logits in a model output: the tensor itself, ``output[0]`` of a tuple or
+    list, ``output["logits"]`` of a dict, or ``output.logits``."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    if isinstance(output, dict) and isinstance(output.get("logits"), Tensor):
+        return output["logits"]
+    if isinstance(getattr(output, "logits", None), Tensor):
+        return output.logits
+    raise TypeError(
+        f"cannot find the logits in a model output of type {type(output).__name__}; "
+        "pass logits_fn=lambda output: ... to the maker"
+    )
+
+
+class FisherMaker(PreconditionedGradientMaker):
+    """Base of the makers whose curvature is a Fisher of the model's logits.
+
+    Args:
+        model: the module to train (plain or ``DistributedDataParallel``).
+        config: schedule, damping, EMA decay, ignored modules.
+        fisher_type: ``"fisher_mc"`` (``n_mc_samples`` targets drawn from the model,
+            averaged), ``"fisher_exact"`` (one backward per class) or
+            ``"fisher_emp"`` (the loss gradient itself, no extra backward vector).
+        n_mc_samples: draws for ``"fisher_mc"``.
+        loss_type: ``"cross_entropy"`` or ``"mse"``: the likelihood whose Fisher is
+            taken (the loss you compute should be its negative log).
+        loss_reduction: ``"mean"`` or ``"sum"``, as the loss you compute reduces.
+        logits_fn: maps the model output to the logits (batch first); default
+            :func:`default_logits`.
+        seed: seeds the Monte-Carlo draws (saved by ``state_dict``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PreconditioningConfig | None,
+        *,
+        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"],
+        n_mc_samples: int = 1,
+        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        logits_fn: Callable[[Any], Tensor] | None = None,
+        seed: int = 0,
+    ) -> None:
+        check_choice("fisher_type", fisher_type, FISHER_TYPES)
+        check_choice("loss_type", loss_type, ("cross_entropy", "mse"))
+        check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        if isinstance(n_mc_samples, bool) or not isinstance(n_mc_samples, int):
+            raise TypeError(f"n_mc_samples must be an int, got {n_mc_samples!r}")
+        if n_mc_samples < 1:
+            raise ValueError(f"n_mc_samples must be >= 1, got {n_mc_samples}")
+        if logits_fn is not None and not callable(logits_fn):
+            raise TypeError(f"logits_fn must be callable, got {logits_fn!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.fisher_type = fisher_type
+        self.n_mc_samples = n_mc_samples
+        self.loss_type = loss_type
+        self.loss_reduction = loss_reduction
+        self.logits_fn = logits_fn or default_logits
+        self.generator = torch.Generator().manual_seed(seed)
+        super().__init__(model, config)
+
+    def is_supported(self, module: nn.Module) -> bool:
+        """Linear (and subclasses), Conv2d, Embedding, LayerNorm, BatchNorm1d/2d and
+        MultiheadAttention (its packed ``in_proj``), owning trainable parameters."""
+        return isinstance(module, SUPPORTED_MODULES) and any(
+            p.requires_grad for p in module.parameters(recurse=False)
+        )
+
+    # -- pieces of the curvature pass ---------------------------------------------
+    def _unwrapped_call(self) -> Any:
+        """The model call's function, with DDP bypassed: the curvature pass averages
+        the gradient (and the curvature) over the group itself."""
+        fn = self.model_call[0]
+        if isinstance(fn, nn.Module) and unwrap_model(fn) is unwrap_model(self.model):
+            return unwrap_model(self.model)
+        return fn
+
+    def _logits(self, output: Any) -> Tensor:
+        logits = self.logits_fn(output)
+        if not isinstance(logits, Tensor) or not logits.requires_grad:
+            raise TypeError(
+                "logits_fn must return the logits tensor of the model output "
+                "(attached to the graph)"
+            )
+        return logits
+
+    def _add_grads(self, params: list[Tensor], grads: list) -> None:
+        """Average ``grads`` over the DDP group and add them to ``.grad``."""
+        grads = [
+            torch.zeros_like(p) if g is None else g
+            for p, g in zip(params, grads, strict=True)
+        ]
+        self._all_reduce_mean(grads)
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is None:
+                p.grad = g
+            else:  # in place: DDP may hold .grad as a view of its buckets
+                p.grad.add_(g)
+
+    def _vectors(self, logits: Tensor, dlogits: Tensor | None) -> list[Tensor]:
+        """The vectors to back-propagate from ``logits`` for ``fisher_type``;
+        ``dlogits`` (the loss gradient w.r.t. the logits) serves ``"fisher_emp"``."""
+        spec = as_loss_spec(self.loss_type)
+        spec = type(spec)(spec.name, self.loss_reduction)
+        out = logits.detach()
+        if spec.name == "cross_entropy":
+            targets = torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device)
+        else:
+            targets = torch.zeros_like(out)
+        if self.fisher_type == "fisher_emp":
+            if dlogits is None:
+                raise ValueError("the loss does not depend on the logits")
+            # The loss gradient is r * grad(l_n); the empirical Fisher wants sqrt(r).
+            r = reduction_factor(spec, out, targets)
+            return [dlogits / math.sqrt(r)]
+        return list(
+            output_vectors(
+                self.fisher_type,
+                spec,
+                out,
+                targets,
+                n_mc_samples=self.n_mc_samples,
+                generator=self.generator,
+            )
+        )
+
+    def _generator_state(self) -> Tensor:
+        return self.generator.get_state()
