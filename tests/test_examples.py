@@ -49,7 +49,7 @@ def test_perturb_is_relative_seeded_and_zero_is_identity():
     perturb_(model, 1e-3, seed=1)
     rel = torch.cat(
         [
-            ((p - q) / q).flatten()
+            ((p.detach() - q) / q).flatten()
             for p, q in zip(model.parameters(), before, strict=True)
         ]
     )
