@@ -50,6 +50,26 @@ def default_logits(output: Any) -> Tensor:
     )
 
 
+def add_grads(
+    all_reduce_mean: Callable[[list[Tensor]], None],
+    params: list[Tensor],
+    grads: list,
+) -> None:
+    """Averages ``grads`` (None: zeros) with ``all_reduce_mean`` and adds them to
+    the parameters' ``.grad``, in place where one exists: DDP may hold ``.grad``
+    as a view of its buckets."""
+    grads = [
+        torch.zeros_like(p) if g is None else g
+        for p, g in zip(params, grads, strict=True)
+    ]
+    all_reduce_mean(grads)
+    for p, g in zip(params, grads, strict=True):
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+
+
 class FisherMaker(PreconditionedGradientMaker):
     """Base of the makers whose curvature is a Fisher of the model's logits.
 
@@ -126,16 +146,7 @@ class FisherMaker(PreconditionedGradientMaker):
 
     def _add_grads(self, params: list[Tensor], grads: list) -> None:
         """Average ``grads`` over the DDP group and add them to ``.grad``."""
-        grads = [
-            torch.zeros_like(p) if g is None else g
-            for p, g in zip(params, grads, strict=True)
-        ]
-        self._all_reduce_mean(grads)
-        for p, g in zip(params, grads, strict=True):
-            if p.grad is None:
-                p.grad = g
-            else:  # in place: DDP may hold .grad as a view of its buckets
-                p.grad.add_(g)
+        add_grads(self._all_reduce_mean, params, grads)
 
     def _vectors(self, logits: Tensor, dlogits: Tensor | None) -> list[Tensor]:
         """The vectors to back-propagate from ``logits`` for ``fisher_type``;

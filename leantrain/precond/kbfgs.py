@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._checks import check_extra_state
+from leantrain.precond._fisher import add_grads
 from leantrain.precond._kron import damped_inverse, read_canonical, write_canonical
 from leantrain.precond.curv.modules import make_op
 from leantrain.precond.gradient_maker import unwrap_model
@@ -188,16 +189,7 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         output, loss, records, grads = self._pass(fn, params)
-        grads = [
-            torch.zeros_like(p) if g is None else g
-            for p, g in zip(params, grads, strict=True)
-        ]
-        self._all_reduce_mean(grads)
-        for p, g in zip(params, grads, strict=True):
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        add_grads(self._all_reduce_mean, params, grads)
         current = {n: p.detach().clone() for n, p in named}
         previous = None
         if self.previous_params:
