@@ -33,7 +33,7 @@ from ._quant_table import QuantTable, quant_table
 from ._torch_step import packed_codes, state_layout, torch_step
 from .precision import default_stochastic, rounding_key
 
-# Sub-chunk of the C kernel (None: its largest, 8192 elements); tests lower it to
+# Sub-chunk of the C kernel (None: its largest, 16384 elements); tests lower it to
 # exercise the kernel's recompute path on small blocks.
 C_CHUNK: int | None = None
 # Below this many elements the kernel runs on one thread (a parallel region costs
@@ -181,7 +181,7 @@ def c_step(
         ValueError: a tensor of the wrong dtype, device, layout or size (checked
             here, before any pointer reaches C), or an argument the kernel rejects.
         RuntimeError: the native library is not available.
-        MemoryError: the kernel's per-thread buffers (~110 KiB each) do not fit.
+        MemoryError: the kernel's per-thread buffers (~21 B x chunk each) do not fit.
     """
     lib = _native.load()
     if lib is None:

@@ -54,7 +54,7 @@
 #include "gefen_io.h"
 
 #define LT_TILE 512       /* elements per L1-resident tile of the 8-bit lookup */
-#define LT_MAX_CHUNK 8192 /* longest sub-chunk (per-thread buffers ~13 B/element) */
+#define LT_MAX_CHUNK 16384 /* longest sub-chunk: the largest automatic period */
 
 typedef struct {
   float w1;        /* 1 - beta1, the weight of g in the lerp */
