@@ -125,20 +125,51 @@ def check_grad(grad: Tensor, label: str) -> None:
         )
 
 
+# Exponent field of each float format the native check reads: all bits set means
+# NaN or infinity.
+_EXPONENT = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+# From this many elements a CPU tensor is checked by the native pass (one read, no
+# temporaries); smaller ones share one batched 2-norm (a ctypes call per tensor
+# would cost more than it saves).
+_NATIVE_NUMEL = 1 << 16
+
+
+def _native_all_finite(g: Tensor) -> bool | None:
+    """The native check of one contiguous CPU float tensor; None where it cannot run."""
+    from . import _native
+
+    mask = _EXPONENT.get(g.dtype)
+    if mask is None or g.device.type != "cpu" or not g.is_contiguous():
+        return None
+    lib = _native.load()
+    if lib is None:
+        return None
+    threads = torch.get_num_threads()
+    rc = lib.lt_all_finite(g.data_ptr(), g.numel(), g.element_size(), mask, threads)
+    if rc < 0:
+        raise ValueError(f"the native finite check rejected a {g.dtype} tensor")
+    return bool(rc)
+
+
 def finite_flags(grads: list[Tensor]) -> list[bool]:
-    """``is_finite`` of every tensor, in one batched call per (device, dtype).
+    """``is_finite`` of every tensor: large CPU tensors by the native pass, the rest
+    in one batched call per (device, dtype).
 
     A NaN or an infinity makes the 2-norm NaN or inf, so a finite norm proves the
     tensor finite; a non-finite norm may also be an overflow of finite values
     (|g| ~ 1e19 in fp32, far less in fp16/bf16), so those tensors are confirmed
-    one by one with ``is_finite``. One ``_foreach_norm`` reads the gradients as
-    fast as per-tensor ``aminmax`` calls and saves their per-call overhead, most
-    of the check's cost on a model of many small tensors.
+    one by one with ``is_finite``. One ``_foreach_norm`` saves the per-call
+    overhead that dominates the check on a model of many small tensors.
     """
     flags = [True] * len(grads)
     batches: dict[tuple, list[int]] = {}
     for i, g in enumerate(grads):
-        if g.numel():
+        if not g.numel():
+            continue
+        native = _native_all_finite(g) if g.numel() >= _NATIVE_NUMEL else None
+        if native is not None:
+            flags[i] = native
+        else:
             batches.setdefault((g.device, g.dtype), []).append(i)
     for members in batches.values():
         norms = torch._foreach_norm([grads[i] for i in members], 2)

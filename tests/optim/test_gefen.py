@@ -580,6 +580,33 @@ def test_finite_flags_match_isfinite_for_small_large_and_mixed_dtypes():
     assert finite_flags([]) == []
 
 
+def test_native_finite_check_covers_each_format_and_declines_others(monkeypatch):
+    """The C pass reads fp32/bf16/fp16 exponent bits (NaN, +-inf anywhere, the
+    last element too); other dtypes and strided tensors go back to torch."""
+    from leantrain.optim import _native
+    from leantrain.optim._checks import _native_all_finite, finite_flags
+
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    n = 70_001
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        g = torch.randn(n).to(dtype)
+        assert _native_all_finite(g) is True
+        for where in (0, n // 2, n - 1):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                h = g.clone()
+                h[where] = bad
+                assert _native_all_finite(h) is False
+    big = torch.full((n,), torch.finfo(torch.float16).max, dtype=torch.float16)
+    assert _native_all_finite(big) is True  # largest finite: exponent not all ones
+    assert _native_all_finite(torch.randn(n, dtype=torch.float64)) is None
+    assert _native_all_finite(torch.randn(n, 2)[:, 0]) is None  # not contiguous
+    monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    h = torch.randn(n)
+    h[-1] = float("nan")
+    assert _native_all_finite(h) is None and finite_flags([h]) == [False]
+
+
 def test_nonfinite_first_step_creates_no_state(kit):
     model = kit.make_mlp()
     opt = Gefen(model.parameters())
