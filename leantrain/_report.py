@@ -9,9 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,6 +87,61 @@ def write_report(
     (out / "compare.json").write_text(json.dumps(record, indent=1))
     plot(out / "compare.png")
     print(f"wrote {out / 'compare.md'}, {out / 'compare.png'}", file=sys.stderr)
+
+
+def train_each(
+    names: Sequence[str],
+    steps: int,
+    train: Callable[[str, Any], Any],
+    label: Callable[[str], str] = str,
+) -> list:
+    """``train(name, bar)`` for every name under one progress bar of
+    ``steps * len(names)`` ticks (``train`` ticks ``bar`` once a step); a run that
+    stops early (a failure) has its remaining ticks filled in."""
+    results = []
+    with progress_bar(steps * len(names)) as bar:
+        for k, name in enumerate(names):
+            bar.set_description(label(name))
+            results.append(train(name, bar))
+            bar.update(steps * (k + 1) - bar.n)
+    return results
+
+
+def publish(
+    args: Any,
+    *,
+    settings: str,
+    table: str,
+    explanation: str,
+    after: str,
+    results: Sequence[Any],
+    wall_s: float,
+    run_versions: dict[str, str],
+    plot: Callable[[Path], None],
+    **extra: Any,
+) -> None:
+    """Prints the settings and the table, and writes the report of a compare run
+    (``extra``: the variant's own entries of compare.json, e.g. its baseline)."""
+    print(settings)
+    print(table)
+    command = "leantrain " + shlex.join(args.argv)
+    write_report(
+        Path(args.out),
+        command=command,
+        settings=settings,
+        explanation=explanation,
+        table=table,
+        after=after,
+        record={
+            "command": command,
+            "settings": settings,
+            "wall_s": wall_s,
+            **extra,
+            "versions": run_versions,
+            "results": [asdict(r) for r in results],
+        },
+        plot=plot,
+    )
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:

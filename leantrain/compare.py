@@ -4,7 +4,7 @@ One seeded model is trained with several optimizers (same initial weights, same
 batches in the same order); :func:`run_compare` reports final losses, optimizer
 state bytes per parameter and step times, each as a ratio to AdamW. The ``--peers``
 and ``--precond`` variants live in :mod:`leantrain.compare_peers` and
-:mod:`leantrain.compare_precond` and reuse :data:`TASKS` and :func:`write_report`.
+:mod:`leantrain.compare_precond` and reuse :data:`TASKS` and ``_report.publish``.
 See docs/compare.md.
 
 Extending: an optimizer is one entry in :data:`OPTIMIZERS` (name -> factory), a
@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import shlex
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leantrain._report import progress_bar, torch_threads, versions, write_report
+from leantrain._report import publish, torch_threads, train_each, versions
 from leantrain.data import (
     TensorBatches,
     TokenBatches,
@@ -299,46 +298,35 @@ def run_compare(args: argparse.Namespace) -> list[RunResult]:
     spec = resolve_defaults(args)
     with torch_threads(args.threads):
         task = spec.build(args)
-        results = []
-        with progress_bar(args.steps * len(args.optimizers)) as bar:
-            for name in args.optimizers:
-                bar.set_description(OPTIMIZER_LABELS.get(name, name))
 
-                def progress(loss: float) -> None:
-                    bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-                    bar.update()
+        def train(name: str, bar) -> RunResult:
+            def progress(loss: float) -> None:
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                bar.update()
 
-                results.append(train_one(task, name, args.steps, args.lr, progress))
+            return train_one(task, name, args.steps, args.lr, progress)
+
+        results = train_each(
+            args.optimizers, args.steps, train, lambda n: OPTIMIZER_LABELS.get(n, n)
+        )
         run_versions = versions()  # records the thread count the run used
     wall_s = time.perf_counter() - start  # data, model, training, evaluation
     baseline = "adamw" if "adamw" in args.optimizers else args.optimizers[0]
-    table = results_table(results, baseline)
-    settings = (
-        f"{task.description}; {args.steps} steps, batch {args.batch_size}, "
-        f"lr {args.lr}, seed {args.seed}"
-    )
-    print(settings)
-    print(table)
-    command = "leantrain " + shlex.join(args.argv)
-    write_report(
-        Path(args.out),
-        command=command,
-        settings=settings,
+    publish(
+        args,
+        settings=f"{task.description}; {args.steps} steps, batch {args.batch_size}, "
+        f"lr {args.lr}, seed {args.seed}",
+        table=results_table(results, baseline),
         explanation="Train loss: mean of the last 10% of steps; val loss: mean "
         f"over {len(task.val_batches)} fixed validation batches. Times are means "
         "over all steps but the first (which builds the optimizer state).",
-        table=table,
         after="First step (ms, includes state set-up): "
         + ", ".join(f"{r.name} {r.first_step_ms:.1f}" for r in results)
         + f". Wall time of the whole comparison: {wall_s:.1f} s.",
-        record={
-            "command": command,
-            "settings": settings,
-            "wall_s": wall_s,
-            "baseline": baseline,
-            "versions": run_versions,
-            "results": [asdict(r) for r in results],
-        },
+        results=results,
+        wall_s=wall_s,
+        run_versions=run_versions,
+        baseline=baseline,
         plot=lambda path: write_plot(results, path),
     )
     return results

@@ -17,11 +17,10 @@ import argparse
 import copy
 import gc
 import math
-import shlex
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,10 +30,10 @@ from leantrain._report import (
     fmt,
     markdown_table,
     moving_average,
-    progress_bar,
+    publish,
     torch_threads,
+    train_each,
     versions,
-    write_report,
 )
 from leantrain.compare import Task, evaluate, resolve_defaults
 from leantrain.peers import PEERS, measured_step, state_nbytes
@@ -168,26 +167,18 @@ def run_peers(args: argparse.Namespace) -> list[PeerResult]:
     names = ([BASELINE] if BASELINE not in args.peers else []) + list(args.peers)
     with torch_threads(args.threads):
         task = spec.build(args)
-        results = []
-        with progress_bar(args.steps * len(names)) as bar:
-            for k, name in enumerate(names):
-                bar.set_description(name)
-                results.append(train_peer(task, name, args.steps, args.lr, bar.update))
-                bar.update(args.steps * (k + 1) - bar.n)  # a failed run stops early
+        results = train_each(
+            names,
+            args.steps,
+            lambda name, bar: train_peer(task, name, args.steps, args.lr, bar.update),
+        )
         run_versions = versions()
     wall_s = time.perf_counter() - start
-    table = peers_table(results)
-    settings = (
-        f"{task.description}; {args.steps} steps, batch {args.batch_size}, "
-        f"lr {args.lr}, weight decay {WEIGHT_DECAY}, seed {args.seed}"
-    )
-    print(settings)
-    print(table)
-    command = "leantrain " + shlex.join(args.argv)
-    write_report(
-        Path(args.out),
-        command=command,
-        settings=settings,
+    publish(
+        args,
+        settings=f"{task.description}; {args.steps} steps, batch {args.batch_size}, "
+        f"lr {args.lr}, weight decay {WEIGHT_DECAY}, seed {args.seed}",
+        table=peers_table(results),
         explanation="State B/param: every tensor of the optimizer's state (tensor "
         "subclasses opened, top-level tensors such as codebooks included, each "
         "storage once) / parameters. Peak step MiB: extra resident memory during "
@@ -199,16 +190,11 @@ def run_peers(args: argparse.Namespace) -> list[PeerResult]:
         "first step() (state set-up, codebooks, compilation). Val loss: mean over "
         f"{len(task.val_batches)} fixed validation batches after training. A peer "
         "that is missing or fails is a row 'failed: <reason>'.",
-        table=table,
         after=f"Wall time of the whole comparison: {wall_s:.1f} s.",
-        record={
-            "command": command,
-            "settings": settings,
-            "wall_s": wall_s,
-            "baseline": BASELINE,
-            "versions": run_versions,
-            "results": [asdict(r) for r in results],
-        },
+        results=results,
+        wall_s=wall_s,
+        run_versions=run_versions,
+        baseline=BASELINE,
         plot=lambda path: write_peers_plot(results, path),
     )
     return results

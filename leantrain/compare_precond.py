@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import shlex
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,10 +34,10 @@ from leantrain._report import (
     fmt,
     markdown_table,
     moving_average,
-    progress_bar,
+    publish,
     torch_threads,
+    train_each,
     versions,
-    write_report,
 )
 from leantrain.compare import Task, evaluate, resolve_defaults
 from leantrain.precond import GradientMaker
@@ -213,19 +212,13 @@ def run_precond(args: argparse.Namespace) -> list[MethodResult]:
     names = [*BASELINES, *args.precond]
     with torch_threads(args.threads):
         task = spec.build(args)
-        results = []
-        with progress_bar(args.steps * len(names)) as bar:
-            for k, name in enumerate(names):
-                bar.set_description(name)
-                if reasons.get(name) is not None:
-                    results.append(
-                        MethodResult(name, status=f"unavailable: {reasons[name]}")
-                    )
-                else:
-                    results.append(
-                        train_method(task, name, args.steps, args.lr, bar.update)
-                    )
-                bar.update(args.steps * (k + 1) - bar.n)  # a failed run stops early
+
+        def train(name: str, bar) -> MethodResult:
+            if reasons.get(name) is not None:
+                return MethodResult(name, status=f"unavailable: {reasons[name]}")
+            return train_method(task, name, args.steps, args.lr, bar.update)
+
+        results = train_each(names, args.steps, train)
         run_versions = versions()
     wall_s = time.perf_counter() - start
     adamw = results[1]
@@ -234,19 +227,12 @@ def run_precond(args: argparse.Namespace) -> list[MethodResult]:
     for r in results:
         if r.status == "ok" and math.isfinite(target):
             r.steps_to_target = steps_to_reach(r.train_losses, target, window)
-    table = precond_table(results, target)
-    settings = (
-        f"{task.description}; {args.steps} steps, batch {args.batch_size}, "
+    publish(
+        args,
+        settings=f"{task.description}; {args.steps} steps, batch {args.batch_size}, "
         f"AdamW lr {args.lr}, seed {args.seed}; target = AdamW's train loss "
-        f"{target:.4f}"
-    )
-    print(settings)
-    print(table)
-    command = "leantrain " + shlex.join(args.argv)
-    write_report(
-        Path(args.out),
-        command=command,
-        settings=settings,
+        f"{target:.4f}",
+        table=precond_table(results, target),
         explanation="Step ms: mean wall time of a whole training step (zero_grad, "
         "forward and backward through the gradient maker with its curvature and "
         "preconditioning work, optimizer step), first step excluded; x SGD: its "
@@ -257,17 +243,12 @@ def run_precond(args: argparse.Namespace) -> list[MethodResult]:
         "(AdamW's train loss), '-' if never. Preconditioned methods feed "
         "SGD(momentum 0.9) with the registry's learning rate. These methods are "
         "meant for small models (per-layer or dense curvature matrices).",
-        table=table,
         after=f"Wall time of the whole comparison: {wall_s:.1f} s.",
-        record={
-            "command": command,
-            "settings": settings,
-            "wall_s": wall_s,
-            "target": target,
-            "window": window,
-            "versions": run_versions,
-            "results": [asdict(r) for r in results],
-        },
+        results=results,
+        wall_s=wall_s,
+        run_versions=run_versions,
+        target=target,
+        window=window,
         plot=lambda path: write_precond_plot(results, target, path),
     )
     return results
