@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import _dist
 from ._sharded import block_window
-from ._state import _expect, codes_length, qblock_for
+from ._state import _expect, check_keys, codes_length, qblock_for
 from .partition import period_floor
 from .quant import pack_nibbles, unpack_nibbles
 
@@ -193,24 +193,11 @@ def _rows(param: Tensor, value: Tensor) -> Tensor:
 
 def check_checkpoint(saved: dict, param: Tensor, bits, partition, label: str) -> None:
     """Checks one parameter's checkpoint-layout state (keys, dtypes, shapes)."""
-    from ._state import COMMON_KEYS, QUANTIZED_KEYS
-
     if not saved:
         return
     shape = tuple(param.shape)
     n = math.prod(shape)
-    wanted = set(COMMON_KEYS) | ({"exp_avg"} if bits is None else set(QUANTIZED_KEYS))
-    missing, extra = wanted - set(saved), set(saved) - wanted
-    if missing or extra:
-        found = "fp32" if "exp_avg" in saved else "quantized"
-        raise ValueError(
-            f"{label}: the state does not match a Gefen parameter with "
-            f"momentum_bits={bits}: missing keys {sorted(missing)}, unexpected keys "
-            f"{sorted(extra)} (the saved momentum looks {found}; is this a "
-            "state dict of another optimizer or another momentum_bits?)"
-        )
-    _expect(label, "step", saved["step"], torch.float32, ())
-    _expect(label, "period", saved["period"], torch.int64, ())
+    check_keys(saved, bits, label)
     period = int(saved["period"])
     low = min_period(n, partition)
     if period != 0 and not low <= period <= max(n, 1):

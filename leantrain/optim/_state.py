@@ -108,18 +108,14 @@ def _expect(label: str, key: str, value: Tensor, dtype: torch.dtype, shape) -> N
         )
 
 
-def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> None:
-    """Checks a loaded state matches ``param`` and the group's ``momentum_bits``.
-
-    An empty state (parameter never stepped) always matches.
+def check_keys(state: dict, bits: int | None, label: str) -> None:
+    """The keys of a Gefen state (in memory or in the checkpoint layout, which
+    share them) and its step and period scalars.
 
     Raises:
-        ValueError: naming ``label`` and what differs (missing or unknown keys,
-            dtypes, shapes, bits, a period outside [1, numel]).
+        ValueError: a missing or unexpected key (another optimizer, or another
+            momentum_bits), or a step / period of the wrong dtype or shape.
     """
-    if not state:
-        return
-    n = param.numel()
     wanted = set(COMMON_KEYS) | ({"exp_avg"} if bits is None else set(QUANTIZED_KEYS))
     missing, extra = wanted - set(state), set(state) - wanted
     if missing or extra:
@@ -132,6 +128,21 @@ def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> Non
         )
     _expect(label, "step", state["step"], torch.float32, ())
     _expect(label, "period", state["period"], torch.int64, ())
+
+
+def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> None:
+    """Checks a loaded state matches ``param`` and the group's ``momentum_bits``.
+
+    An empty state (parameter never stepped) always matches.
+
+    Raises:
+        ValueError: naming ``label`` and what differs (missing or unknown keys,
+            dtypes, shapes, bits, a period outside [1, numel]).
+    """
+    if not state:
+        return
+    n = param.numel()
+    check_keys(state, bits, label)
     period = int(state["period"])
     if not 1 <= period <= max(n, 1):
         raise ValueError(f"{label}: period {period} outside [1, {n}] (numel {n})")
