@@ -417,6 +417,55 @@ def test_native_build_is_cached_and_optional(tmp_path, monkeypatch):
     assert _fused.backend() == "torch" and "no C compiler" in _native.status()
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _cpu_has("avx512f"), reason="the AVX-512 path needs AVX-512F")
+def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
+    """The AVX-512 gathers (gefen_avx512.h) against the same kernel built without
+    AVX-512: every parameter bit, code, absmax and v equal, for block and
+    per-element second moments, tails shorter than a vector, one and two threads,
+    a learned-like codebook and NaN-free but extreme values (absmax elements,
+    exact zeros)."""
+    if _native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    wide = _native.load()
+    monkeypatch.setenv("LEANTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(_native, "FLAGS", _native.FLAGS + ("-mno-avx512f",))
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_library", None)
+    narrow = _native.load()
+    assert narrow is not None and narrow is not wide, _native.status()
+    cb = spaced_codebook(8)
+    assert _quant_table.build_table(cb).steps <= 1  # the vectorized lookup's case
+    h = _fused.hyperparameters(5.0, **HYPER)
+    for n, period, threads in [(4099, 61, 1), (4099, 1, 2), (333, 333, 1), (40000, 5000, 2)]:
+        state = random_state(n, period, 8, seed=n + period)
+        state["codebook"] = cb
+        g = torch.Generator().manual_seed(n)
+        grad = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+        grad[::97] = 0.0
+        param = torch.randn(n, generator=g)
+        results = []
+        for lib in (wide, narrow):
+            monkeypatch.setattr(_native, "_library", lib)
+            s, p = copy_state(state), param.clone()
+            for _ in range(3):  # later steps read codes the kernel wrote
+                _fused.c_step(p, grad, s, h, threads=threads)
+            results.append((p, s))
+        (p_w, s_w), (p_n, s_n) = results
+        assert torch.equal(p_w, p_n), (n, period)
+        for key in state:
+            assert torch.equal(s_w[key], s_n[key]), (n, period, key)
+
+
 def test_native_cache_key_covers_every_source_and_header(tmp_path, monkeypatch):
     """An edit to any kernel file, headers included, gives another library path,
     so a stale build is never loaded."""

@@ -76,6 +76,8 @@ typedef struct { /* per-thread buffers of `chunk` elements */
   float *p;      /* the parameter in fp32 (bf16 parameters only) */
 } lt_scratch;
 
+#include "gefen_avx512.h" /* after lt_hyper: its pass-2 loop reads one */
+
 /* m over [a, a + len) into m_out (g: the gradient of those elements); returns
    sum(g^2) from 8 double sums and, through *amax, max |m| (with 8-bit or 4-bit
    codes; max over the float bit patterns with the sign cleared: for non-negative floats
@@ -95,14 +97,19 @@ static double lt_momentum(const float *restrict g, const uint8_t *restrict codes
   uint32_t top[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   if (bits) {
-    lt_take_codebook(cb, codes, bits, packed, a, len, m_out);
+#ifdef __AVX512F__
+    if (bits == 8) /* the lookup as a gather, in the same loop as the momentum */
+      k = lt_momentum8_avx512(g, codes + a, cb, amax_old, sign, wc, small, len, m_out,
+                              acc, top);
+#endif
+    lt_take_codebook(cb, codes, bits, packed, a + k, len - k, m_out + k);
 #ifdef __AVX2__
     /* the same arithmetic, lane j of the vectors being acc[j] / top[j] below */
     const __m256 v_amax = _mm256_set1_ps(amax_old), v_sign = _mm256_set1_ps(sign);
     const __m256 v_wc = _mm256_set1_ps(wc);
     const __m256i v_abs = _mm256_set1_epi32(0x7fffffff);
-    __m256i v_top = _mm256_setzero_si256();
-    __m256d v_lo = _mm256_setzero_pd(), v_hi = _mm256_setzero_pd();
+    __m256i v_top = _mm256_loadu_si256((const __m256i *)top);
+    __m256d v_lo = _mm256_loadu_pd(acc), v_hi = _mm256_loadu_pd(acc + 4);
     for (; k + 8 <= len; k += 8) {
       const __m256 gg = _mm256_loadu_ps(g + k);
       const __m256 old = _mm256_mul_ps(_mm256_loadu_ps(m_out + k), v_amax);
@@ -237,9 +244,14 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       lt_update(p, w->m, 1.0f, ve, denom, h, l);
     } else {
       if (amax > 0.0f && bits == 8) {
+        int64_t t = 0;
+#ifdef __AVX512F__
+        if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
+          t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h, codes + s + a);
+#endif
         /* in L1-resident tiles: the cells, values and codes a loop writes are read
            by the next one before they leave L1 */
-        for (int64_t t = 0; t < l; t += LT_TILE) {
+        for (; t < l; t += LT_TILE) {
           const int64_t tl = l - t < LT_TILE ? l - t : LT_TILE;
           lt_cells(q, w->m + t, amax, tl, w->cell);
           lt_lookup(q, w->m + t, w->cell, tl, w->val, codes + s + a + t);
@@ -283,6 +295,9 @@ int lt_gefen_step(void *param, const void *grad, float *v, float *absmax, uint8_
   if (io == 0) return -7;
   if (nthreads < 1) nthreads = 1;
   if (n == 0) return 0;
+  /* A sub-chunk never needs to be longer than a block: smaller buffers for small
+     tensors and short blocks (the result does not depend on the chunk). */
+  if (chunk > block) chunk = block;
   const int per_element_v = period == 1;
   const int64_t nblocks = (n + block - 1) / block;
   /* With packed 4-bit codes, a block of odd length can start in the middle of a

@@ -1,0 +1,106 @@
+/*
+ * AVX-512 paths of Gefen's 8-bit step (included by gefen_step.c when the compiler
+ * targets AVX-512F, i.e. -march=native on such a CPU; elsewhere this file is empty).
+ *
+ * The 8-bit step is bound by its two table lookups per element (gefen_codes.h).
+ * On the AVX-512 CPUs we measured (Intel Xeon, Emerald Rapids) a 16-lane gather costs
+ * far less than 16 scalar loads, so both lookups become gathers inside one vector
+ * loop each:
+ *   pass 1: old code -> codebook value (one 16-lane gather), then the momentum,
+ *           its absmax and sum(g^2) as in the AVX2 loop of lt_momentum;
+ *   pass 2: m / absmax -> cell -> 8-byte entry (two 8-lane gathers) -> j, +1 when
+ *           x is above the entry's midpoint -> value (one 16-lane gather), code,
+ *           and the parameter update.
+ * Every result is the same bits as the scalar code: the same IEEE operations in
+ * the same order (no fused multiply-add is added, sqrt is correctly rounded in
+ * both), and sum(g^2) is accumulated in the same 8 double lanes, element k into
+ * lane k mod 8 in index order. Only the learned-codebook form of the lookup
+ * (distinct codes, at most one midpoint per cell) is vectorized; the rest stays
+ * on the scalar path.
+ */
+#ifndef LT_GEFEN_AVX512_H
+#define LT_GEFEN_AVX512_H
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <stdint.h>
+
+/* Pass 1 for unpacked 8-bit codes over the first multiple of 16 of [0, len):
+   m_out = lerp(cb[code] * amax_old, sign * g, w1); folds |m| bit patterns into
+   top[8] (max) and g*g into acc[8] (element k into lane k mod 8, in order).
+   Returns the number of elements done. */
+static int64_t lt_momentum8_avx512(const float *restrict g, const uint8_t *restrict codes,
+                                   const float *restrict cb, float amax_old, float sign,
+                                   float wc, int small, int64_t len,
+                                   float *restrict m_out, double *acc, uint32_t *top) {
+  const __m512 v_amax = _mm512_set1_ps(amax_old), v_sign = _mm512_set1_ps(sign);
+  const __m512 v_wc = _mm512_set1_ps(wc);
+  const __m512i v_abs = _mm512_set1_epi32(0x7fffffff);
+  __m512i v_top = _mm512_setzero_si512();
+  __m512d v_acc = _mm512_loadu_pd(acc);
+  int64_t k = 0;
+  for (; k + 16 <= len; k += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
+    const __m512 old = _mm512_mul_ps(_mm512_i32gather_ps(idx, cb, 4), v_amax);
+    const __m512 gg = _mm512_loadu_ps(g + k);
+    const __m512 gk = _mm512_mul_ps(gg, v_sign);
+    const __m512 m = _mm512_fmadd_ps(v_wc, _mm512_sub_ps(gk, old), small ? old : gk);
+    _mm512_storeu_ps(m_out + k, m);
+    v_top = _mm512_max_epu32(v_top, _mm512_and_si512(_mm512_castps_si512(m), v_abs));
+    const __m512 g2 = _mm512_mul_ps(gg, gg);
+    v_acc = _mm512_add_pd(v_acc, _mm512_cvtps_pd(_mm512_castps512_ps256(g2)));
+    v_acc = _mm512_add_pd(
+        v_acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1))));
+  }
+  _mm512_storeu_pd(acc, v_acc);
+  uint32_t lanes[16];
+  _mm512_storeu_si512(lanes, v_top);
+  for (int j = 0; j < 16; j++) top[j & 7] = lanes[j] > top[j & 7] ? lanes[j] : top[j & 7];
+  return k;
+}
+
+/* Pass 2 for a learned 8-bit codebook over the first multiple of 16 of [0, len):
+   nearest code of m / amax (lt_cells + lt_lookup's entry path), its value, and
+   p = p * decay - (step_size * (value * amax)) / denom (lt_update; per element
+   denom from vel when vel is not NULL). Returns the number of elements done. */
+static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restrict m,
+                                       float amax, int64_t len, float *restrict p,
+                                       const float *restrict vel, float denom_block,
+                                       const lt_hyper *h, uint8_t *restrict code) {
+  const __m512 v_amax = _mm512_set1_ps(amax), one = _mm512_set1_ps(1.0f);
+  const __m512 half = _mm512_set1_ps(0.5f * (float)q->ncell);
+  const __m512 top = _mm512_set1_ps((float)(q->ncell - 1)), zero = _mm512_setzero_ps();
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                         26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i inc = _mm512_set1_epi32(1);
+  const __m512 v_decay = _mm512_set1_ps(h->decay), v_ss = _mm512_set1_ps(h->step_size);
+  const __m512 v_denom = _mm512_set1_ps(denom_block);
+  const __m512 v_bc2 = _mm512_set1_ps(h->sqrt_bc2), v_eps = _mm512_set1_ps(h->eps);
+  const long long *entry = (const long long *)q->entry;
+  int64_t k = 0;
+  for (; k + 16 <= len; k += 16) {
+    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), v_amax);
+    __m512 t = _mm512_mul_ps(_mm512_add_ps(x, one), half);
+    t = _mm512_max_ps(t, zero); /* NaN -> 0: max returns its second operand */
+    t = _mm512_min_ps(t, top);
+    const __m512i cell = _mm512_cvttps_epi32(t);
+    const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(cell), entry, 8);
+    const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(cell, 1), entry, 8);
+    /* entry = j << 32 | midpoint bits: low halves are the midpoints, high the j */
+    const __m512 mid = _mm512_castsi512_ps(_mm512_permutex2var_epi32(e0, even, e1));
+    __m512i j = _mm512_permutex2var_epi32(e0, odd, e1);
+    j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(x, mid, _CMP_GT_OQ), j, inc);
+    const __m512 val = _mm512_i32gather_ps(j, q->uniq, 4);
+    _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(j));
+    const __m512 denom =
+        vel ? _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(_mm512_loadu_ps(vel + k)), v_bc2),
+                            v_eps)
+            : v_denom;
+    const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(p + k), v_decay);
+    const __m512 step = _mm512_mul_ps(v_ss, _mm512_mul_ps(val, v_amax));
+    _mm512_storeu_ps(p + k, _mm512_sub_ps(w, _mm512_div_ps(step, denom)));
+  }
+  return k;
+}
+#endif /* __AVX512F__ */
+#endif /* LT_GEFEN_AVX512_H */
