@@ -97,20 +97,41 @@ class _Quantizer(ctypes.Structure):
     ]
 
 
-def _c_eligible(param: Tensor, grad: Tensor, state: dict) -> bool:
-    tensors = [param, grad, state["exp_avg_sq"]]
-    if "codebook" in state:
-        tensors += [state["exp_avg_codes"], state["exp_avg_absmax"]]
-        tensors += [state["codebook"]]
-    else:
-        tensors += [state["exp_avg"]]
-    return (
-        param.dtype in _C_DTYPES
-        and grad.dtype in _C_DTYPES
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-        and not grad.is_sparse
-        and _native.load() is not None
+def _c_problem(param: Tensor, grad: Tensor, state: dict) -> str | None:
+    """Why the C kernel cannot take these tensors (None: it can). One pass over
+    the dtypes, devices and layouts: ``fused_step`` picks its path with it and
+    ``c_step`` turns the answer into its ValueError."""
+    for name, t in (("param", param), ("grad", grad)):
+        if t.layout != torch.strided:
+            return f"{name}: the C kernel needs a dense tensor, got layout {t.layout}"
+        if t.dtype not in _C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+            return (
+                f"{name}: the C kernel needs a contiguous fp32 or bf16 CPU tensor, "
+                f"got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
+            )
+    names = (
+        ("exp_avg_sq", "exp_avg_absmax", "codebook")
+        if "codebook" in state
+        else ("exp_avg_sq", "exp_avg")
     )
+    for name in names:
+        t = state[name]
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return (
+                f"{name}: the C kernel needs a contiguous fp32 CPU tensor, got "
+                f"{t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
+            )
+    codes = state.get("exp_avg_codes")
+    if codes is not None and not (
+        codes.dtype == torch.uint8
+        and codes.device.type == "cpu"
+        and codes.is_contiguous()
+    ):
+        return (
+            f"exp_avg_codes: the C kernel needs contiguous uint8 CPU codes, got "
+            f"{codes.dtype} on {codes.device}"
+        )
+    return None
 
 
 # id(library) -> its largest chunk, once its struct layouts were checked
@@ -170,12 +191,16 @@ def c_step(
     layout: tuple[int, int, int] | None = None,
     stochastic: bool = False,
     key: int = 0,
+    lib: ctypes.CDLL | None = None,
+    checked: bool = False,
 ) -> None:
     """Runs the C kernel on one parameter (``state['step']`` already advanced).
 
     ``param`` and ``grad`` are fp32 or bf16 (each on its own); a bf16 parameter is
     written back rounded to nearest, or stochastically (``stochastic``, keyed by
-    ``key``; see :mod:`leantrain.optim.precision`).
+    ``key``; see :mod:`leantrain.optim.precision`). ``lib`` is the loaded library
+    (default: :func:`_native.load`); ``checked`` says the caller already had
+    :func:`_c_problem` accept these tensors (``fused_step``: one check per step).
 
     Raises:
         ValueError: a tensor of the wrong dtype, device, layout or size (checked
@@ -183,41 +208,18 @@ def c_step(
         RuntimeError: the native library is not available.
         MemoryError: the kernel's per-thread buffers (~21 B x chunk each) do not fit.
     """
-    lib = _native.load()
+    lib = lib or _native.load()
     if lib is None:
         raise RuntimeError(f"native Gefen kernel unavailable: {_native.status()}")
     period, block, bits = layout or state_layout(param, state)
     n = param.numel()
     if grad.numel() != n:
         raise ValueError(f"grad has {grad.numel()} elements, param {n}")
-    for name, t in (("param", param), ("grad", grad)):
-        if t.dtype not in _C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(
-                f"{name}: the C kernel needs a contiguous fp32 or bf16 CPU tensor, "
-                f"got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
-            )
-    named = {"exp_avg_sq": state["exp_avg_sq"]}
-    if bits:
-        for name in ("exp_avg_absmax", "codebook"):
-            named[name] = state[name]
-    else:
-        named["exp_avg"] = state["exp_avg"]
-    for name, t in named.items():
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(
-                f"{name}: the C kernel needs a contiguous fp32 CPU tensor, got "
-                f"{t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
-            )
+    if not checked:
+        problem = _c_problem(param, grad, state)
+        if problem is not None:
+            raise ValueError(problem)
     codes = state.get("exp_avg_codes")
-    if codes is not None and not (
-        codes.dtype == torch.uint8
-        and codes.device.type == "cpu"
-        and codes.is_contiguous()
-    ):
-        raise ValueError(
-            f"exp_avg_codes: the C kernel needs contiguous uint8 CPU codes, got "
-            f"{codes.dtype} on {codes.device}"
-        )
     max_chunk = _checked_library(lib)
     chunk = chunk or C_CHUNK or max_chunk
     if not 1 <= chunk <= max_chunk:
@@ -349,7 +351,18 @@ def fused_step(
         weight_decay=weight_decay,
         maximize=maximize,
     )
-    if _c_eligible(param, grad, state):
-        c_step(param, grad, state, hyper, layout=layout, stochastic=stochastic, key=key)
+    lib = _native.load()
+    if lib is not None and _c_problem(param, grad, state) is None:
+        c_step(
+            param,
+            grad,
+            state,
+            hyper,
+            layout=layout,
+            stochastic=stochastic,
+            key=key,
+            lib=lib,
+            checked=True,
+        )
     else:
         torch_step(param, grad, state, hyper, stochastic=stochastic, key=key)

@@ -446,7 +446,8 @@ def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
     cb = spaced_codebook(8)
     assert _quant_table.build_table(cb).steps <= 1  # the vectorized lookup's case
     h = _fused.hyperparameters(5.0, **HYPER)
-    for n, period, threads in [(4099, 61, 1), (4099, 1, 2), (333, 333, 1), (40000, 5000, 2)]:
+    cases = [(4099, 61, 1), (4099, 1, 2), (333, 333, 1), (40000, 5000, 2)]
+    for n, period, threads in cases:
         state = random_state(n, period, 8, seed=n + period)
         state["codebook"] = cb
         g = torch.Generator().manual_seed(n)
