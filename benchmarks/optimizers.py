@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
             "gpt": 60,
             "mlp": 150,
             "cnn": 60,
-            "gpt-25m": 3,
+            "gpt-25m": 8,
         }
     )
     builders = {

@@ -24,6 +24,10 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#ifndef LT_AHEAD
+#define LT_AHEAD 512
+#endif
+
 /* Pass 1 for unpacked 8-bit codes over the first multiple of 16 of [0, len):
    m_out = lerp(cb[code] * amax_old, sign * g, w1); folds |m| bit patterns into
    top[8] (max) and g*g into acc[8] (element k into lane k mod 8, in order).
@@ -39,6 +43,7 @@ static int64_t lt_momentum8_avx512(const float *restrict g, const uint8_t *restr
   __m512d v_acc = _mm512_loadu_pd(acc);
   int64_t k = 0;
   for (; k + 16 <= len; k += 16) {
+    _mm_prefetch((const char *)(g + k + LT_AHEAD), _MM_HINT_T0);
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
     const __m512 old = _mm512_mul_ps(_mm512_i32gather_ps(idx, cb, 4), v_amax);
     const __m512 gg = _mm512_loadu_ps(g + k);
@@ -79,6 +84,7 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
   const long long *entry = (const long long *)q->entry;
   int64_t k = 0;
   for (; k + 16 <= len; k += 16) {
+    _mm_prefetch((const char *)(p + k + LT_AHEAD), _MM_HINT_T0);
     const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), v_amax);
     __m512 t = _mm512_mul_ps(_mm512_add_ps(x, one), half);
     t = _mm512_max_ps(t, zero); /* NaN -> 0: max returns its second operand */
