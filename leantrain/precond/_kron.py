@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from leantrain.precond._checks import check_extra_state
 from leantrain.precond._factored import LinearCapture
 from leantrain.precond._fisher import FisherMaker
-from leantrain.precond.curv import CurvatureCollector, cholesky_inverse
+from leantrain.precond.curv import CurvatureCollector, cholesky_ex, cholesky_inverse
 from leantrain.precond.curv.modules import ModuleOp
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import PreconditioningConfig
@@ -45,7 +45,7 @@ def damped_inverse(matrix: Tensor, damping: float) -> Tensor:
     if matrix.dtype in (torch.float32, torch.float64):
         damped = matrix.clone()
         damped.diagonal(dim1=-2, dim2=-1).add_(damping)
-        factor, info = torch.linalg.cholesky_ex(damped)
+        factor, info = cholesky_ex(damped)
         if not bool((info != 0).any()):
             return torch.cholesky_inverse(factor)
     return cholesky_inverse(matrix, damping)

@@ -33,8 +33,12 @@ from leantrain.precond._kron import (
     read_canonical,
     write_canonical,
 )
-from leantrain.precond.curv import cholesky_inverse, pi_damping, robust_eigh
-from leantrain.precond.curv.linalg import symmetrize
+from leantrain.precond.curv import (
+    cholesky_inverse,
+    damped_cholesky,
+    pi_damping,
+    robust_eigh,
+)
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["DAMPING_MODES", "KfacGradientMaker", "kfac_precondition"]
@@ -67,28 +71,6 @@ def kfac_precondition(
     else:
         damp_a = damp_b = math.sqrt(damping)
     return cholesky_inverse(b, damp_b) @ grad @ cholesky_inverse(a, damp_a)
-
-
-def damped_cholesky(matrix: Tensor, damping: float) -> Tensor:
-    """Lower Cholesky factor of ``M + damping I`` (fp64 retry, as ``damped_inverse``).
-
-    Raises:
-        torch.linalg.LinAlgError: not positive definite even in float64.
-    """
-    damped = matrix.clone()
-    damped.diagonal(dim1=-2, dim2=-1).add_(damping)
-    factor, info = torch.linalg.cholesky_ex(damped)
-    if not bool((info != 0).any()):
-        return factor
-    wide = symmetrize(matrix.double())
-    wide.diagonal(dim1=-2, dim2=-1).add_(damping)
-    factor, info = torch.linalg.cholesky_ex(wide)
-    if bool((info != 0).any()):
-        raise torch.linalg.LinAlgError(
-            f"K-FAC factor + {damping} * I is not positive definite even in float64; "
-            "increase the damping"
-        )
-    return factor
 
 
 def right_solve(m: Tensor, lower: Tensor) -> Tensor:

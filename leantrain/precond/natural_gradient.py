@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from leantrain.precond._checks import check_choice, check_extra_state
 from leantrain.precond._hooked import HookedMaker
 from leantrain.precond._kron import read_canonical, write_canonical
+from leantrain.precond.curv import damped_cholesky
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["NG_SHAPES", "NaturalGradientMaker", "damped_cholesky", "natural_gradient"]
@@ -50,20 +51,6 @@ def natural_gradient(fisher: Tensor, grad: Tensor, damping: float) -> Tensor:
     eye = torch.eye(fisher.shape[0], dtype=fisher.dtype, device=fisher.device)
     factor = torch.linalg.cholesky(fisher + damping * eye)
     return torch.cholesky_solve(grad.unsqueeze(-1), factor).squeeze(-1)
-
-
-def damped_cholesky(matrix: Tensor, damping: float) -> Tensor:
-    """Lower Cholesky factor of ``M + damping I`` (batched), float64 retry on failure.
-
-    Raises:
-        torch.linalg.LinAlgError: not positive definite even in float64.
-    """
-    damped = matrix.clone()
-    damped.diagonal(dim1=-2, dim2=-1).add_(damping)
-    factor, info = torch.linalg.cholesky_ex(damped)
-    if bool((info != 0).any()):  # rounding made it indefinite: retry in float64
-        factor = torch.linalg.cholesky(damped.double()).to(matrix.dtype)
-    return factor
 
 
 def _solve(factor: Tensor, rhs: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from leantrain.precond._checks import check_extra_state
 from leantrain.precond._kron import read_canonical, write_canonical
 from leantrain.precond._smw import WoodburyMaker
+from leantrain.precond.curv import cholesky_ex
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["SmwNgGradientMaker", "smw_natural_gradient"]
@@ -106,7 +107,7 @@ class SmwNgGradientMaker(WoodburyMaker):
             return
         gram = sum(f.gram() for f in self.factors.values())
         gram.diagonal().add_(self.config.damping)
-        factor, info = torch.linalg.cholesky_ex(gram)
+        factor, info = cholesky_ex(gram)
         if int(info) != 0:  # rounding made it indefinite: retry in float64
             factor = torch.linalg.cholesky(gram.double()).to(gram.dtype)
         self.cholesky = factor

@@ -7,7 +7,13 @@ Public entry point: :func:`curvature`. Reusable hook machinery for training step
 from .api import curvature
 from .extension import SHAPES, CurvatureCollector
 from .kinds import KINDS, LossSpec, as_loss_spec, output_vectors
-from .linalg import cholesky_inverse, pi_damping, robust_eigh
+from .linalg import (
+    cholesky_ex,
+    cholesky_inverse,
+    damped_cholesky,
+    pi_damping,
+    robust_eigh,
+)
 from .modules import SUPPORTED_MODULES
 from .reference import (
     dense_curvature,
@@ -27,7 +33,9 @@ __all__ = [
     "LossSpec",
     "ModuleCurvature",
     "as_loss_spec",
+    "cholesky_ex",
     "cholesky_inverse",
+    "damped_cholesky",
     "curvature",
     "dense_curvature",
     "dense_empirical_fisher",

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cholesky_inverse", "pi_damping", "robust_eigh", "symmetrize"]
+__all__ = [
+    "cholesky_ex",
+    "cholesky_inverse",
+    "damped_cholesky",
+    "pi_damping",
+    "robust_eigh",
+    "symmetrize",
+]
 
 
 def symmetrize(matrix: torch.Tensor) -> torch.Tensor:
@@ -21,6 +28,53 @@ def symmetrize(matrix: torch.Tensor) -> torch.Tensor:
     only read one triangle, so the drift would silently bias the result.
     """
     return 0.5 * (matrix + matrix.transpose(-1, -2))
+
+
+# On CPU, LAPACK's (oneMKL's) Cholesky of an n x n matrix with n a multiple of 128
+# runs 2-4x slower than of an (n + 8) x (n + 8) one (measured on Intel Xeon:
+# 256: 463 vs 156 us, 512: 2.15 vs 0.82 ms, 1024: 14.3 vs 7.0 ms, one thread): the
+# power-of-two-like row stride makes the columns it walks collide in the cache.
+_PAD_MULTIPLE, _PAD = 128, 8
+
+
+def cholesky_ex(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.cholesky_ex`` (lower factor, info), faster on CPU for sizes
+    that are multiples of 128: those are factored inside an identity-padded
+    ``(n + 8) x (n + 8)`` matrix, whose factor is ``[[L, 0], [0, I]]`` with ``L``
+    the factor of ``matrix`` (same arithmetic on the same entries; the padding adds
+    only zeros). Batched; ``info`` as torch's (the pad never fails)."""
+    n = matrix.shape[-1]
+    if matrix.device.type != "cpu" or n < _PAD_MULTIPLE or n % _PAD_MULTIPLE:
+        return torch.linalg.cholesky_ex(matrix)
+    padded = matrix.new_zeros(*matrix.shape[:-2], n + _PAD, n + _PAD)
+    padded[..., :n, :n] = matrix
+    padded[..., n:, n:].diagonal(dim1=-2, dim2=-1).fill_(1)
+    factor, info = torch.linalg.cholesky_ex(padded)
+    return factor[..., :n, :n].contiguous(), info
+
+
+def damped_cholesky(matrix: torch.Tensor, damping: float) -> torch.Tensor:
+    """Lower Cholesky factor of ``M + damping I`` (batched) in ``M``'s dtype,
+    factored in float64 when ``M``'s own precision makes the damped matrix
+    numerically indefinite.
+
+    Raises:
+        torch.linalg.LinAlgError: not positive definite even in float64.
+    """
+    damped = matrix.clone()
+    damped.diagonal(dim1=-2, dim2=-1).add_(damping)
+    factor, info = cholesky_ex(damped)
+    if not bool((info != 0).any()):
+        return factor
+    wide = symmetrize(matrix.double())
+    wide.diagonal(dim1=-2, dim2=-1).add_(damping)
+    factor, info = cholesky_ex(wide)
+    if bool((info != 0).any()):
+        raise torch.linalg.LinAlgError(
+            f"matrix + {damping} * I is not positive definite even in float64; "
+            "increase the damping"
+        )
+    return factor.to(matrix.dtype)
 
 
 def _first_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
@@ -135,7 +189,7 @@ def cholesky_inverse(
 
     def attempt(dtype: torch.dtype) -> torch.Tensor | None:
         damped = sym.to(dtype) + damping * eye.to(dtype)
-        factor, info = torch.linalg.cholesky_ex(damped)
+        factor, info = cholesky_ex(damped)
         if bool((info != 0).any()):
             return None
         return torch.cholesky_inverse(factor)

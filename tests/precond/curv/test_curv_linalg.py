@@ -1,11 +1,17 @@
-"""robust_eigh, cholesky_inverse, pi_damping."""
+"""robust_eigh, cholesky_inverse, cholesky_ex, damped_cholesky, pi_damping."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from leantrain.precond.curv import cholesky_inverse, pi_damping, robust_eigh
+from leantrain.precond.curv import (
+    cholesky_ex,
+    cholesky_inverse,
+    damped_cholesky,
+    pi_damping,
+    robust_eigh,
+)
 
 
 def _spd(n, batch=(), seed=0):
@@ -78,3 +84,40 @@ def test_robust_eigh_retries_in_float64(monkeypatch):
     assert seen == [torch.float32, torch.float64]
     assert vals.dtype == torch.float32
     assert torch.allclose(vecs @ torch.diag(vals) @ vecs.T, m, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [127, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cholesky_ex_is_torchs_factor(n, dtype):
+    """Padded (multiples of 128) or not, the factor reconstructs M as torch's does,
+    is lower triangular, for a batch too."""
+    m = _spd(n, (2,), seed=n).to(dtype)
+    factor, info = cholesky_ex(m)
+    ref, ref_info = torch.linalg.cholesky_ex(m)
+    assert factor.shape == m.shape
+    assert torch.equal(info, ref_info) and not bool(info.any())
+    assert torch.equal(factor, factor.tril())
+    tol = 1e-4 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(factor, ref, rtol=0, atol=tol)
+    rebuilt = factor @ factor.transpose(-1, -2)
+    torch.testing.assert_close(rebuilt, m, rtol=0, atol=tol)
+
+
+def test_cholesky_ex_reports_the_failing_minor_like_torch():
+    m = _spd(128, seed=3)
+    m[5, 5] = -1.0  # the 6th leading minor is not positive
+    assert int(cholesky_ex(m)[1]) == int(torch.linalg.cholesky_ex(m)[1]) == 6
+
+
+def test_damped_cholesky_retries_in_float64_and_keeps_the_dtype():
+    """fp32 absorbs the damping into the diagonal of a singular PSD matrix (1 + 1e-9
+    rounds to 1), so its Cholesky fails; float64 keeps it and succeeds."""
+    m = torch.ones(2, 2)
+    damping = 1e-9
+    assert bool(torch.linalg.cholesky_ex(m + damping * torch.eye(2))[1])  # fp32 fails
+    factor = damped_cholesky(m, damping)
+    assert factor.dtype == torch.float32
+    expected = torch.linalg.cholesky(m.double() + damping * torch.eye(2).double())
+    torch.testing.assert_close(factor, expected.float())
+    with pytest.raises(torch.linalg.LinAlgError, match="not positive definite"):
+        damped_cholesky(-torch.eye(3), 1e-3)
