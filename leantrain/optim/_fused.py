@@ -97,6 +97,26 @@ class _Quantizer(ctypes.Structure):
     ]
 
 
+class _Job(ctypes.Structure):
+    # Same order and types as lt_job in gefen_step.c: one parameter's step.
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("absmax", ctypes.c_void_p),
+        ("codes", ctypes.c_void_p),
+        ("exp_avg", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("period", ctypes.c_int64),
+        ("block", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+        ("q", ctypes.c_void_p),  # lt_quantizer *
+        ("h", ctypes.c_void_p),  # lt_hyper *
+        ("io", ctypes.c_void_p),  # lt_io *
+    ]
+
+
 def _c_problem(param: Tensor, grad: Tensor, state: dict) -> str | None:
     """Why the C kernel cannot take these tensors (None: it can). One pass over
     the dtypes, devices and layouts: ``fused_step`` picks its path with it and
@@ -149,6 +169,7 @@ def _checked_library(lib: ctypes.CDLL) -> int:
             lib.lt_sizeof_quantizer() != ctypes.sizeof(_Quantizer)
             or lib.lt_sizeof_hyper() != ctypes.sizeof(_Hyper)
             or lib.lt_sizeof_io() != ctypes.sizeof(_Io)
+            or lib.lt_sizeof_job() != ctypes.sizeof(_Job)
         ):
             raise RuntimeError(
                 "the native kernel's struct layouts differ from _fused's"
@@ -219,37 +240,86 @@ def c_step(
         problem = _c_problem(param, grad, state)
         if problem is not None:
             raise ValueError(problem)
-    codes = state.get("exp_avg_codes")
     max_chunk = _checked_library(lib)
     chunk = chunk or C_CHUNK or max_chunk
     if not 1 <= chunk <= max_chunk:
         raise ValueError(f"chunk {chunk}; allowed: 1 <= chunk <= {max_chunk}")
-    quantizer = _quantizer(quant_table(state["codebook"])) if bits else None
-    io = _Io(
+    interned: dict = {}  # the job's scalars, alive until launch returns
+    job = c_job(
+        param,
+        grad,
+        state,
+        hyper,
+        layout=(period, block, bits),
+        stochastic=stochastic,
+        key=key,
+        interned=interned,
+    )
+    threads = threads or (torch.get_num_threads() if n >= _THREAD_MIN else 1)
+    launch(lib, [job], chunk, threads)
+
+
+def c_job(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    hyper: dict[str, float],
+    *,
+    layout: tuple[int, int, int],
+    stochastic: bool,
+    key: int,
+    interned: dict,
+) -> _Job:
+    """The kernel's description of one parameter's step (tensors already checked
+    by :func:`_c_problem` and ``state_layout``). Its scalars live in ``interned``
+    (one object per distinct value: parameters of a group share them), which the
+    caller keeps, with the tensors, until :func:`launch` returns."""
+    period, block, bits = layout
+    quantizer = None
+    if bits:  # held here too: _quantizer's cache may drop it during the launch
+        quantizer = _quantizer(quant_table(state["codebook"]))
+        interned["quantizer", id(quantizer)] = quantizer
+    io_fields = (
         param.dtype == torch.bfloat16,
         grad.dtype == torch.bfloat16,
         bits == 4 and packed_codes(param, state),
         bool(stochastic) and param.dtype == torch.bfloat16,
         key & 0xFFFFFFFFFFFFFFFF,
     )
-    threads = threads or (torch.get_num_threads() if n >= _THREAD_MIN else 1)
-    rc = lib.lt_gefen_step(
+    io = interned.get(("io", io_fields))
+    if io is None:
+        io = interned["io", io_fields] = _Io(*io_fields)
+    h_fields = tuple(hyper[name] for name, _ in _Hyper._fields_)
+    h = interned.get(("hyper", h_fields))
+    if h is None:
+        h = interned["hyper", h_fields] = _Hyper(*h_fields)
+    return _Job(
         param.data_ptr(),
         grad.data_ptr(),
         state["exp_avg_sq"].data_ptr(),
         state["exp_avg_absmax"].data_ptr() if bits else None,
-        codes.data_ptr() if bits else None,
+        state["exp_avg_codes"].data_ptr() if bits else None,
         None if bits else state["exp_avg"].data_ptr(),
-        n,
+        param.numel(),
         period,
         block,
         bits,
-        ctypes.byref(quantizer) if quantizer is not None else None,
-        ctypes.byref(_Hyper(**hyper)),
-        ctypes.byref(io),
-        chunk,
-        threads,
+        0,
+        ctypes.addressof(quantizer) if quantizer is not None else None,
+        ctypes.addressof(h),
+        ctypes.addressof(io),
     )
+
+
+def launch(lib: ctypes.CDLL, jobs: list[_Job], chunk: int, threads: int) -> None:
+    """One kernel call for every job (threads share out blocks of all of them).
+
+    Raises:
+        MemoryError: the kernel's per-thread buffers do not fit (nothing changed).
+        ValueError: the kernel rejected a job (nothing changed).
+    """
+    array = (_Job * len(jobs))(*jobs)
+    rc = lib.lt_gefen_step_many(array, len(jobs), chunk, threads)
     if rc == -6:  # its scratch buffers; nothing was changed
         raise MemoryError(
             f"the C kernel could not allocate {threads} x {chunk} buffers"

@@ -19,7 +19,7 @@ from torch.optim.optimizer import ParamsT
 
 from . import _checks, _dist
 from . import _reducible_partition as _partition
-from ._fused import fused_step
+from ._fused_many import StepItem, step_many
 from ._sharded import (
     begin_step,
     finish_step,
@@ -331,25 +331,29 @@ class Gefen(Optimizer):
             id(p): i
             for i, p in enumerate(p for g in self.param_groups for p in g["params"])
         }
+        items = []
         for group, param, _ in active:
             layout = self._layout(param)
             if layout is not None:
                 straddling.append((group, param, layout))
                 continue
             beta1, beta2 = group["betas"]
-            fused_step(
-                _dist.local(param),
-                _dist.local(param.grad),
-                self.state[param],
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                maximize=group["maximize"],
-                stochastic_rounding=group.get("stochastic_rounding"),
-                seed=position[id(param)],
+            items.append(
+                StepItem(
+                    _dist.local(param),
+                    _dist.local(param.grad),
+                    self.state[param],
+                    lr=float(group["lr"]),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    maximize=group["maximize"],
+                    stochastic_rounding=group.get("stochastic_rounding"),
+                    seed=position[id(param)],
+                )
             )
+        step_many(items)  # one kernel call for all of them
         if straddling:
             self._straddling_step(straddling)
         return loss

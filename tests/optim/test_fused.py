@@ -510,15 +510,15 @@ def test_cuda_compiled_step_matches_reference(bits):
 
 @pytest.mark.parametrize("bits", [8, 4, None])
 def test_gefen_trains_the_same_with_the_fused_step(backend, bits, monkeypatch):
-    """Gefen with fused_step in place of reference_step (the states gefen.py really
-    builds: learned codebook, automatic periods, p = 1 biases) tracks the reference."""
+    """Gefen stepping through step_many (the C kernel's one call for all
+    parameters, or fused_step each) in place of reference_step on each parameter,
+    with the states gefen.py really builds (learned codebook, automatic periods,
+    p = 1 biases), tracks the reference."""
     from leantrain.optim import Gefen, gefen
+    from leantrain.optim._fused_many import step_many
 
-    # gefen.py calls one of them by this name; run it once with each
-    name = "fused_step" if hasattr(gefen, "fused_step") else "reference_step"
-
-    def run(step_fn) -> tuple[list[float], list[torch.Tensor]]:
-        monkeypatch.setattr(gefen, name, step_fn)
+    def run(steps) -> tuple[list[float], list[torch.Tensor]]:
+        monkeypatch.setattr(gefen, "step_many", steps)
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(24, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3)
@@ -534,12 +534,23 @@ def test_gefen_trains_the_same_with_the_fused_step(backend, bits, monkeypatch):
             losses.append(float(loss.detach()))
         return losses, [p.detach().clone() for p in model.parameters()]
 
-    def reference(*args, stochastic_rounding=None, seed=0, **kwargs):
+    def reference(items):
         # fp32 parameters: the rounding options of fused_step have no effect
-        return reference_step(*args, **kwargs)
+        for i in items:
+            reference_step(
+                i.param,
+                i.grad,
+                i.state,
+                lr=i.lr,
+                beta1=i.beta1,
+                beta2=i.beta2,
+                eps=i.eps,
+                weight_decay=i.weight_decay,
+                maximize=i.maximize,
+            )
 
     ref_losses, ref_params = run(reference)
-    losses, params = run(_fused.fused_step)
+    losses, params = run(step_many)
     assert ref_losses[-1] < 0.9 * ref_losses[0]  # it trains
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     for p, q in zip(params, ref_params, strict=True):

@@ -280,39 +280,87 @@ static void lt_block(void *param, const void *grad, float *restrict v,
   }
 }
 
-/* Returns 0, or a negative number naming the invalid argument. */
-int lt_gefen_step(void *param, const void *grad, float *v, float *absmax, uint8_t *codes,
-                  float *exp_avg, int64_t n, int64_t period, int64_t block, int32_t bits,
-                  const lt_quantizer *q, const lt_hyper *h, const lt_io *io,
-                  int64_t chunk, int32_t nthreads) {
-  if (n < 0 || period < 1 || block < 1) return -1;
-  if (bits != 0 && bits != 4 && bits != 8) return -2;
-  if (period != block && period != 1) return -3;
-  if (bits != 0 && (q == 0 || q->ncodes != (1 << bits) || q->nuniq < 1 ||
-                    q->nuniq > q->ncodes || q->ncell < 1))
+/* One parameter's step: its tensors, layout and per-step scalars. */
+typedef struct {
+  void *param;
+  const void *grad;
+  float *v;        /* exp_avg_sq */
+  float *absmax;   /* exp_avg_absmax (codes only) */
+  uint8_t *codes;  /* exp_avg_codes (codes only) */
+  float *exp_avg;  /* fp32 momentum (bits 0 only) */
+  int64_t n, period, block;
+  int32_t bits, unused;
+  const lt_quantizer *q;
+  const lt_hyper *h;
+  const lt_io *io;
+} lt_job;
+
+/* 0, or a negative number naming the invalid argument. */
+static int lt_check_job(const lt_job *j) {
+  if (j->n < 0 || j->period < 1 || j->block < 1) return -1;
+  if (j->bits != 0 && j->bits != 4 && j->bits != 8) return -2;
+  if (j->period != j->block && j->period != 1) return -3;
+  const lt_quantizer *q = j->q;
+  if (j->bits != 0 && (q == 0 || q->ncodes != (1 << j->bits) || q->nuniq < 1 ||
+                       q->nuniq > q->ncodes || q->ncell < 1))
     return -4;
+  if (j->io == 0 || j->h == 0) return -7;
+  return 0;
+}
+
+typedef struct { /* derived once per job */
+  int64_t nblocks, unit, nunits, grab, chunk;
+  int32_t zero;
+} lt_plan;
+
+/* One step of `count` parameters in one parallel region: threads take grabs of
+   ~16K elements (whole blocks, pairs of blocks when 4-bit codes of an odd block
+   length would share a byte) from every job, dynamically; blocks are
+   independent, so the result is the same for any thread count or order.
+   Returns 0, or a negative number naming the invalid argument (then nothing was
+   changed: every job is checked and the buffers allocated before any work). */
+int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
+                       int32_t nthreads) {
+  if (count < 0 || (count > 0 && jobs == 0)) return -1;
   if (chunk < 1 || chunk > LT_MAX_CHUNK) return -5;
-  if (io == 0) return -7;
+  for (int32_t i = 0; i < count; i++) {
+    const int rc = lt_check_job(jobs + i);
+    if (rc) return rc;
+  }
   if (nthreads < 1) nthreads = 1;
-  if (n == 0) return 0;
-  /* A sub-chunk never needs to be longer than a block: smaller buffers for small
-     tensors and short blocks (the result does not depend on the chunk). */
-  if (chunk > block) chunk = block;
-  const int per_element_v = period == 1;
-  const int64_t nblocks = (n + block - 1) / block;
-  /* With packed 4-bit codes, a block of odd length can start in the middle of a
-     byte; threads then take pairs of blocks, so no byte is written by two threads. */
-  const int64_t unit = (bits == 4 && io->packed && (block & 1)) ? 2 : 1;
-  const int64_t nunits = (nblocks + unit - 1) / unit;
-  const int32_t zero = bits ? lt_zero_index(q) : 0;
-  /* One allocation up front: a failure leaves every tensor untouched. */
-  const int nt = nthreads > 1 && nunits > 1 ? nthreads : 1;
+  lt_plan *plan = malloc(sizeof(lt_plan) * (size_t)(count > 0 ? count : 1));
+  int64_t *first = malloc(sizeof(int64_t) * (size_t)(count + 1)); /* grab offsets */
+  if (plan == 0 || first == 0) {
+    free(plan);
+    free(first);
+    return -6;
+  }
+  int64_t cmax = 1;
+  first[0] = 0;
+  for (int32_t i = 0; i < count; i++) {
+    const lt_job *j = jobs + i;
+    lt_plan *pl = plan + i;
+    pl->nblocks = (j->n + j->block - 1) / j->block;
+    pl->unit = (j->bits == 4 && j->io->packed && (j->block & 1)) ? 2 : 1;
+    pl->nunits = (pl->nblocks + pl->unit - 1) / pl->unit;
+    pl->grab = 16384 / (pl->unit * j->block) > 1 ? 16384 / (pl->unit * j->block) : 1;
+    /* a sub-chunk never needs to be longer than a block (same result, less memory) */
+    pl->chunk = chunk < j->block ? chunk : j->block;
+    pl->zero = j->bits ? lt_zero_index(j->q) : 0;
+    cmax = pl->chunk > cmax ? pl->chunk : cmax;
+    first[i + 1] = first[i] + (pl->nunits + pl->grab - 1) / pl->grab;
+  }
+  const int64_t ngrabs = first[count];
+  const int nt = nthreads > 1 && ngrabs > 1 ? nthreads : 1;
   /* Buffers staggered by a few cache lines: equal offsets modulo 4 KiB between a
      loaded and a stored stream make the CPU stall on false store-load aliasing. */
-  const size_t c = (size_t)chunk, gap = 320, per = (c * 21 + 6 * gap + 63) / 64 * 64;
+  const size_t c = (size_t)cmax, gap = 320, per = (c * 21 + 6 * gap + 63) / 64 * 64;
   char *arena = malloc(per * (size_t)nt);
-  const int64_t grab = 16384 / (unit * block) > 1 ? 16384 / (unit * block) : 1;
-  if (arena == 0) return -6;
+  if (arena == 0) {
+    free(plan);
+    free(first);
+    return -6;
+  }
 
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
@@ -327,21 +375,32 @@ int lt_gefen_step(void *param, const void *grad, float *v, float *absmax, uint8_
                     (uint8_t *)(base + 12 * c + 3 * gap),
                     (float *)(base + 13 * c + 4 * gap),
                     (float *)(base + 17 * c + 5 * gap)};
-    /* Dynamic, in grabs of ~16K elements: a thread that is descheduled (a shared
-       machine) holds up one grab, not a fixed half of the tensor. Blocks are
-       independent, so the result does not depend on who takes which. */
-#pragma omp for schedule(dynamic, grab)
-    for (int64_t u = 0; u < nunits; u++) {
-      const int64_t b_end = (u + 1) * unit < nblocks ? (u + 1) * unit : nblocks;
-      for (int64_t b = u * unit; b < b_end; b++) {
-        const int64_t s = b * block;
-        const int64_t len = s + block <= n ? block : n - s;
-        lt_block(param, grad, v, absmax, codes, exp_avg, n, b, s, len, per_element_v,
-                 bits, q, h, io, chunk, zero, &w);
+    /* Dynamic: a thread that is descheduled (a shared machine) holds up one grab,
+       not a fixed share of the work. */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t gi = 0; gi < ngrabs; gi++) {
+      int32_t lo = 0, hi = count - 1; /* the job holding grab gi */
+      while (lo < hi) {
+        const int32_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= gi) lo = mid; else hi = mid - 1;
+      }
+      const lt_job *j = jobs + lo;
+      const lt_plan *pl = plan + lo;
+      const int64_t u0 = (gi - first[lo]) * pl->grab;
+      const int64_t u1 = u0 + pl->grab < pl->nunits ? u0 + pl->grab : pl->nunits;
+      const int64_t b_end = u1 * pl->unit < pl->nblocks ? u1 * pl->unit : pl->nblocks;
+      for (int64_t b = u0 * pl->unit; b < b_end; b++) {
+        const int64_t s = b * j->block;
+        const int64_t len = s + j->block <= j->n ? j->block : j->n - s;
+        lt_block(j->param, j->grad, j->v, j->absmax, j->codes, j->exp_avg, j->n, b, s,
+                 len, j->period == 1, j->bits, j->q, j->h, j->io, pl->chunk, pl->zero,
+                 &w);
       }
     }
   }
   free(arena);
+  free(plan);
+  free(first);
   return 0;
 }
 
@@ -349,4 +408,5 @@ int lt_gefen_step(void *param, const void *grad, float *v, float *absmax, uint8_
 int lt_sizeof_quantizer(void) { return (int)sizeof(lt_quantizer); }
 int lt_sizeof_hyper(void) { return (int)sizeof(lt_hyper); }
 int lt_sizeof_io(void) { return (int)sizeof(lt_io); }
+int lt_sizeof_job(void) { return (int)sizeof(lt_job); }
 int lt_max_chunk(void) { return LT_MAX_CHUNK; }
