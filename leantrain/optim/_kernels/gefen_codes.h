@@ -96,12 +96,50 @@ static int64_t lt_take16_avx2(const float *cb, const uint8_t *restrict codes, in
 }
 #endif
 
+#ifdef __AVX512F__
+/* The 4-bit lookup with AVX-512: the 16 codes fit one register, so each 16 codes
+   are one permute (same values as lt_take16_avx2). */
+static int64_t lt_take16_avx512(const float *cb, const uint8_t *restrict codes,
+                                int packed, int64_t a, int64_t len, float *restrict out) {
+  const __m512 table = _mm512_loadu_ps(cb);
+  int64_t k = 0;
+  if (!packed) {
+    for (; k + 16 <= len; k += 16) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + a + k)));
+      _mm512_storeu_ps(out + k, _mm512_permutexvar_ps(idx, table));
+    }
+    return k;
+  }
+  if (a & 1) { /* start on a byte boundary */
+    if (len == 0) return 0;
+    out[0] = cb[codes[a >> 1] >> 4];
+    k = 1;
+  }
+  /* 8 bytes -> 16 lanes: each byte twice, then its low / high nibble */
+  const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  for (; k + 16 <= len; k += 16) {
+    const __m128i bytes = _mm_shuffle_epi8(
+        _mm_loadl_epi64((const __m128i *)(codes + ((a + k) >> 1))), twice);
+    /* permutexvar reads the low 4 bits of each index: no mask needed */
+    const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(bytes), shift);
+    _mm512_storeu_ps(out + k, _mm512_permutexvar_ps(idx, table));
+  }
+  return k;
+}
+#endif
+
 /* Old codes of [a, a + len) looked up in the codebook (scalar: see header). */
 LT_SCALAR static void lt_take_codebook(const float *restrict cb,
                                        const uint8_t *restrict codes, int bits,
                                        int packed, int64_t a, int64_t len,
                                        float *restrict out) {
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+  if (bits == 4) { /* 16 codes fit in one register: vector lookups */
+    const int64_t done = lt_take16_avx512(cb, codes, packed, a, len, out);
+    a += done, len -= done, out += done;
+  }
+#elif defined(__AVX2__)
   if (bits == 4) { /* 16 codes fit in two registers: vector lookups */
     const int64_t done = lt_take16_avx2(cb, codes, packed, a, len, out);
     a += done, len -= done, out += done;
@@ -186,6 +224,22 @@ static void lt_lookup16(const lt_quantizer *q, const float *restrict m, float am
     first[j] = q->first[j < q->nuniq ? j : q->nuniq - 1];
   }
   int64_t k = 0;
+#ifdef __AVX512F__
+  { /* the same count in 16 lanes; value and code by one permute each */
+    const __m512 am = _mm512_set1_ps(amax), u = _mm512_loadu_ps(uniq);
+    const __m512i f = _mm512_loadu_si512(first), one = _mm512_set1_epi32(1);
+    for (; k + 16 <= len; k += 16) {
+      const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), am);
+      __m512i cnt = _mm512_setzero_si512();
+      for (int j = 0; j < 15; j++)
+        cnt = _mm512_mask_add_epi32(
+            cnt, _mm512_cmp_ps_mask(x, _mm512_set1_ps(mid[j]), _CMP_GT_OQ), cnt, one);
+      _mm512_storeu_ps(val + k, _mm512_permutexvar_ps(cnt, u));
+      _mm_storeu_si128((__m128i *)(code + k),
+                       _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(cnt, f)));
+    }
+  }
+#endif
 #ifdef __AVX2__
   /* Count the midpoints below x with 15 compares, then take value and code with
      in-register permutes: ~2/3 of the operations of the selects below. */
