@@ -247,7 +247,7 @@ def muon_step(
         codes, absmax = quantize_blockwise(m.reshape(-1), qblock, nearest)
         state["exp_avg_absmax"].copy_(absmax)
         state["exp_avg_codes"].copy_(pack_nibbles(codes) if packed else codes)
-        buf = dequantize_blockwise(codes, absmax, qblock, codebook).view(param.shape)
+        buf = m  # the exact new momentum; only the stored copy is quantized
     update = g.lerp(buf, momentum) if nesterov else buf
     update = newton_schulz(update, ns_steps, ns_coefficients, eps, dtype=ns_dtype)
     scaled_lr = adjust_lr(lr, adjust_lr_fn, param.shape)

@@ -175,9 +175,7 @@ def finish_step(
         u = (padded_rows(m, span, qblock) / scale[:, None]).view(-1)
         codes = nearest_code(codebook)(u[head : head + n])
         packed = pack_nibbles(codes) if codebook.numel() == 16 else codes
-        state["exp_avg_codes"].copy_(packed)
-        rows = padded_rows(codes.long(), span, qblock)
-        m = (codebook[rows] * amax[:, None]).view(-1)[head : head + n]
+        state["exp_avg_codes"].copy_(packed)  # the update uses the exact m
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
     per = padded_rows(torch.zeros(n, device=g.device), span, period)
     per = (per + denom[:, None]).view(-1)[span.start % period :][:n]

@@ -89,16 +89,14 @@ def _store_momentum(
     qblock: int,
     codebook: Tensor,
     nearest: NearestCode,
-) -> Tensor:
-    """Quantizes ``m`` into the state for elements [start, end); returns what was
-    stored, de-quantized (the momentum the update uses)."""
+) -> None:
+    """Quantizes ``m`` into the state for elements [start, end)."""
     codes, absmax = quantize_blockwise(m, qblock, nearest)
     state["exp_avg_absmax"][start // qblock : math.ceil(end / qblock)] = absmax
     if codebook.numel() == 16:
         state["exp_avg_codes"][start // 2 : math.ceil(end / 2)] = pack_nibbles(codes)
     else:
         state["exp_avg_codes"][start:end] = codes
-    return dequantize_blockwise(codes, absmax, qblock, codebook)
 
 
 @torch.no_grad()
@@ -178,7 +176,9 @@ def reference_step(
         else:
             m = _load_momentum(state, start, end, qblock, codebook)
             m.lerp_(g, 1 - beta1)
-            m = _store_momentum(state, m, start, end, qblock, codebook, nearest)
+            # Only what is stored is quantized: this step uses the exact new m
+            # (docs/gefen.md, "The update uses the exact momentum").
+            _store_momentum(state, m, start, end, qblock, codebook, nearest)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         w32.addcdiv_(m, per_element(denom, period, end - start), value=-step_size)
         if w32 is not w:

@@ -148,11 +148,10 @@ def _momentum(
     return torch.lerp(old, g, w1)
 
 
-def _quantize(m: Tensor, amax: Tensor, table: QuantTable) -> tuple[Tensor, Tensor]:
-    """(codes, de-quantized values) of m, one absmax per element (0: code of 0)."""
+def _quantize(m: Tensor, amax: Tensor, table: QuantTable) -> Tensor:
+    """Codes of m, one absmax per element (0: the code of 0)."""
     x = torch.where(amax > 0, m / amax, torch.zeros_like(m))
-    k = nearest_index(x, table)
-    return table.first[k], table.uniq[k] * amax
+    return table.first[nearest_index(x, table)]
 
 
 def _ema(v: Tensor, x: Tensor, h: dict) -> None:
@@ -202,10 +201,11 @@ def _chunk(
         padded[:length] = m.abs()
         amax = padded.view(nb, block).amax(1)
         state["exp_avg_absmax"][start // block : start // block + nb] = amax
-        codes, m = _quantize(m, _per_element(amax, block, length), table)
+        codes = _quantize(m, _per_element(amax, block, length), table)
         write_codes(state["exp_avg_codes"], start, end, codes, bits)
     else:
         state["exp_avg"].view(-1)[start:end] = m
+    # The exact new m, not its stored quantization (as the reference);
     # addcdiv's rounding, p + (-step_size * m) / denom, in ops that take a tensor
     param32.mul_(h["decay"]).add_(m * -h["step_size"] / denom)
 
@@ -244,7 +244,7 @@ def _big_block(
         g = grad[s:e].float() * sign
         m = _momentum(g, state, s, e, block, bits, table, h["w1"])
         if bits:
-            codes, m = _quantize(m, amax_t.expand_as(m), table)
+            codes = _quantize(m, amax_t.expand_as(m), table)
             write_codes(state["exp_avg_codes"], s, e, codes, bits)
         else:
             state["exp_avg"].view(-1)[s:e] = m

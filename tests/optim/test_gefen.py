@@ -101,9 +101,9 @@ def _oracle_step(param, grad, st, *, lr, beta1, beta2, eps, weight_decay):
         st["absmax"][b] = amax
         u = blk / amax if amax > 0 else torch.zeros_like(blk)
         st["codes"][b * q : (b + 1) * q] = (u[:, None] - cb[None, :]).abs().argmin(1)
-    mq = cb[st["codes"].long()] * st["absmax"].repeat_interleave(q)[:n]
+    # the codes are what is stored; this step's update uses the exact new m
     denom = st["v"].sqrt().repeat_interleave(p)[:n] / math.sqrt(1 - beta2**t) + eps
-    w = w * (1 - lr * weight_decay) - lr / (1 - beta1**t) * mq / denom
+    w = w * (1 - lr * weight_decay) - lr / (1 - beta1**t) * m / denom
     param.copy_(w.view(param.shape))
 
 

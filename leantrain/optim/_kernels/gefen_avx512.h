@@ -9,8 +9,8 @@
  *   pass 1: old code -> codebook value (one 16-lane gather), then the momentum,
  *           its absmax and sum(g^2) as in the AVX2 loop of lt_momentum;
  *   pass 2: m / absmax -> cell -> 8-byte entry (two 8-lane gathers) -> j, +1 when
- *           x is above the entry's midpoint -> value (one 16-lane gather), code,
- *           and the parameter update.
+ *           x is above the entry's midpoint -> code; and the parameter update with
+ *           the exact m.
  * Every result is the same bits as the scalar code: the same IEEE operations in
  * the same order (no fused multiply-add is added, sqrt is correctly rounded in
  * both), and sum(g^2) is accumulated in the same 8 double lanes, element k into
@@ -64,9 +64,9 @@ static int64_t lt_momentum8_avx512(const float *restrict g, const uint8_t *restr
 }
 
 /* Pass 2 for a learned 8-bit codebook over the first multiple of 16 of [0, len):
-   nearest code of m / amax (lt_cells + lt_lookup's entry path), its value, and
-   p = p * decay - (step_size * (value * amax)) / denom (lt_update; per element
-   denom from vel when vel is not NULL). Returns the number of elements done. */
+   nearest code of m / amax (lt_cells + lt_lookup's entry path), and
+   p = p * decay - (step_size * m) / denom (lt_update; per element denom from vel
+   when vel is not NULL). Returns the number of elements done. */
 static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restrict m,
                                        float amax, int64_t len, float *restrict p,
                                        const float *restrict vel, float denom_block,
@@ -96,14 +96,13 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
     const __m512 mid = _mm512_castsi512_ps(_mm512_permutex2var_epi32(e0, even, e1));
     __m512i j = _mm512_permutex2var_epi32(e0, odd, e1);
     j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(x, mid, _CMP_GT_OQ), j, inc);
-    const __m512 val = _mm512_i32gather_ps(j, q->uniq, 4);
     _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(j));
     const __m512 denom =
         vel ? _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(_mm512_loadu_ps(vel + k)), v_bc2),
                             v_eps)
             : v_denom;
     const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(p + k), v_decay);
-    const __m512 step = _mm512_mul_ps(v_ss, _mm512_mul_ps(val, v_amax));
+    const __m512 step = _mm512_mul_ps(v_ss, _mm512_loadu_ps(m + k)); /* exact m */
     _mm512_storeu_ps(p + k, _mm512_sub_ps(w, _mm512_div_ps(step, denom)));
   }
   return k;

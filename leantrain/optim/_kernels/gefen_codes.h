@@ -17,14 +17,16 @@
  * codebook the kernel reads entry[cell] = j << 32 | bits(mid[j]) instead: one 8-byte
  * load yields j and the midpoint to compare with (no load that depends on another).
  *
- * 8-bit table lookups (old code -> value, cell -> code) are scalar loops: on the
- * CPU we measured (AMD EPYC Zen 3, AVX2, under KVM) a vpgatherdd costs as much as
+ * 8-bit table lookups (old code -> value, cell -> code) are scalar loops here: on
+ * the AVX2 CPU we measured (AMD EPYC Zen 3, under KVM) a vpgatherdd costs as much as
  * eight scalar loads, and a version of pass 2 fused into one AVX2 loop with three
  * gathers per 8 elements was ~10% slower than the scalar lookup + vector update.
+ * With AVX-512 both lookups are 16-lane gathers in gefen_avx512.h (Intel Xeon:
+ * the 8-bit step 45.8 -> 23.5 ms on 25M elements, 2 threads), same bits.
  * The 8-bit lookup is branch-free (a mispredicted branch per element in a cell
  * holding a midpoint cost 30% of the step with a learned codebook). A 4-bit codebook
- * fits in two AVX2 registers: old codes are dequantized with in-register permutes,
- * and new ones are found by comparing with the 15 midpoints.
+ * fits in two AVX2 registers (one AVX-512 register): old codes are dequantized with
+ * in-register permutes, and new ones are found by comparing with the 15 midpoints.
  */
 #ifndef LT_GEFEN_CODES_H
 #define LT_GEFEN_CODES_H
@@ -62,6 +64,7 @@ static inline __m256 lt_take16(__m256 lo, __m256 hi, __m256i idx) {
   return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
+#ifndef __AVX512F__ /* there lt_take16_avx512 does it */
 /* 4-bit codes of [a, a + len) looked up in the codebook, 8 at a time; returns how
    many elements were done (the caller finishes the rest). */
 static int64_t lt_take16_avx2(const float *cb, const uint8_t *restrict codes, int packed,
@@ -94,6 +97,7 @@ static int64_t lt_take16_avx2(const float *cb, const uint8_t *restrict codes, in
   }
   return k;
 }
+#endif
 #endif
 
 #ifdef __AVX512F__
@@ -158,22 +162,22 @@ LT_SCALAR static void lt_take_codebook(const float *restrict cb,
   }
 }
 
-/* x = m / amax (in place) and its lookup cell; NaN -> cell 0 (never out of range).
+/* x = m / amax and its lookup cell; NaN -> cell 0 (never out of range).
    Vectorizes (the division above all, ~8x cheaper than in the lookup loop). */
-static void lt_cells(const lt_quantizer *q, float *restrict m, float amax, int64_t len,
-                     int32_t *restrict cell) {
+static void lt_cells(const lt_quantizer *q, const float *restrict m, float amax,
+                     int64_t len, float *restrict x_out, int32_t *restrict cell) {
   const float half = 0.5f * (float)q->ncell, top = (float)(q->ncell - 1);
   for (int64_t k = 0; k < len; k++) {
     float x = m[k] / amax;
     float t = (x + 1.0f) * half;
     t = t >= 0.0f ? t : 0.0f;
     t = t <= top ? t : top;
-    m[k] = x;
+    x_out[k] = x;
     cell[k] = (int32_t)t;
   }
 }
 
-/* Nearest value and code of each x, branch-free: the cell's table entry gives the
+/* Nearest code of each x, branch-free: the cell's table entry gives the
    number j of midpoints in lower cells (stored bitwise-NOT'ed when the cell holds
    midpoints: j ^ (j >> 15) undoes that without a branch), then `steps` comparisons
    j += x > mid[j] (steps = the most midpoints in one cell, 1 for a learned codebook)
@@ -183,9 +187,9 @@ static void lt_cells(const lt_quantizer *q, float *restrict m, float amax, int64
    Scalar: see the header on gathers. */
 LT_SCALAR static void lt_lookup(const lt_quantizer *q, const float *restrict x,
                                 const int32_t *restrict cell, int64_t len,
-                                float *restrict val, uint8_t *restrict code) {
+                                uint8_t *restrict code) {
   const int16_t *restrict lut = q->lut;
-  const float *restrict mid = q->mid, *restrict uniq = q->uniq;
+  const float *restrict mid = q->mid;
   const uint8_t *restrict first = q->first;
   if (q->steps <= 1 && q->nuniq == q->ncodes) { /* a learned codebook */
     /* one 8-byte load per element gives both j and mid[j] (no dependent load) */
@@ -196,7 +200,6 @@ LT_SCALAR static void lt_lookup(const lt_quantizer *q, const float *restrict x,
       float m;
       memcpy(&m, &mb, sizeof m);
       const int32_t j = (int32_t)(e >> 32) + (x[k] > m);
-      val[k] = uniq[j];
       code[k] = (uint8_t)j;
     }
     return;
@@ -206,27 +209,25 @@ LT_SCALAR static void lt_lookup(const lt_quantizer *q, const float *restrict x,
     int32_t j = lut[cell[k]];
     j ^= j >> 15;
     for (int32_t s = 0; s < steps; s++) j += x[k] > mid[j];
-    val[k] = uniq[j];
     code[k] = first[j];
   }
 }
 
 /* 4-bit codebooks: the same rule by comparing with every midpoint (at most 15),
-   k = #{j : mid_j < x}, picking value and code with selects. Vectorizes, unlike a
+   k = #{j : mid_j < x}, picking the code with selects. Vectorizes, unlike a
    table lookup. Midpoints past nuniq - 1 are +inf and never pass. */
 static void lt_lookup16(const lt_quantizer *q, const float *restrict m, float amax,
-                        int64_t len, float *restrict val, uint8_t *restrict code) {
-  float mid[15], uniq[16];
+                        int64_t len, uint8_t *restrict code) {
+  float mid[15];
   int32_t first[16];
   for (int j = 0; j < 16; j++) {
     if (j < 15) mid[j] = j < q->nuniq - 1 ? q->mid[j] : INFINITY;
-    uniq[j] = q->uniq[j < q->nuniq ? j : q->nuniq - 1];
     first[j] = q->first[j < q->nuniq ? j : q->nuniq - 1];
   }
   int64_t k = 0;
 #ifdef __AVX512F__
-  { /* the same count in 16 lanes; value and code by one permute each */
-    const __m512 am = _mm512_set1_ps(amax), u = _mm512_loadu_ps(uniq);
+  { /* the same count in 16 lanes; the code by one permute */
+    const __m512 am = _mm512_set1_ps(amax);
     const __m512i f = _mm512_loadu_si512(first), one = _mm512_set1_epi32(1);
     for (; k + 16 <= len; k += 16) {
       const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), am);
@@ -234,17 +235,15 @@ static void lt_lookup16(const lt_quantizer *q, const float *restrict m, float am
       for (int j = 0; j < 15; j++)
         cnt = _mm512_mask_add_epi32(
             cnt, _mm512_cmp_ps_mask(x, _mm512_set1_ps(mid[j]), _CMP_GT_OQ), cnt, one);
-      _mm512_storeu_ps(val + k, _mm512_permutexvar_ps(cnt, u));
       _mm_storeu_si128((__m128i *)(code + k),
                        _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(cnt, f)));
     }
   }
 #endif
 #ifdef __AVX2__
-  /* Count the midpoints below x with 15 compares, then take value and code with
+  /* Count the midpoints below x with 15 compares, then take the code with
      in-register permutes: ~2/3 of the operations of the selects below. */
   const __m256 am = _mm256_set1_ps(amax);
-  const __m256 u_lo = _mm256_loadu_ps(uniq), u_hi = _mm256_loadu_ps(uniq + 8);
   const __m256 f_lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)first));
   const __m256 f_hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(first + 8)));
   for (; k + 8 <= len; k += 8) {
@@ -253,7 +252,6 @@ static void lt_lookup16(const lt_quantizer *q, const float *restrict m, float am
     for (int j = 0; j < 15; j++) /* a true compare is -1: subtract it */
       cnt = _mm256_sub_epi32(
           cnt, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_set1_ps(mid[j]), _CMP_GT_OQ)));
-    _mm256_storeu_ps(val + k, lt_take16(u_lo, u_hi, cnt));
     const __m256i c = _mm256_castps_si256(lt_take16(f_lo, f_hi, cnt));
     const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64((__m128i *)(code + k), _mm_packus_epi16(c16, c16));
@@ -261,15 +259,9 @@ static void lt_lookup16(const lt_quantizer *q, const float *restrict m, float am
 #endif
   for (; k < len; k++) {
     const float x = m[k] / amax;
-    float v = uniq[0];
     int32_t c = first[0];
 #pragma GCC unroll 16
-    for (int j = 0; j < 15; j++) {
-      const int above = x > mid[j];
-      v = above ? uniq[j + 1] : v;
-      c = above ? first[j + 1] : c;
-    }
-    val[k] = v;
+    for (int j = 0; j < 15; j++) c = x > mid[j] ? first[j + 1] : c;
     code[k] = (uint8_t)c;
   }
 }

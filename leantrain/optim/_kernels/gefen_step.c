@@ -12,7 +12,8 @@
  *   param *= 1 - lr * weight_decay
  *   m      = lerp(codebook[code] * absmax, g, 1 - beta1)
  *   absmax = max_block |m|;  code = nearest_code(m / absmax)  (absmax 0 -> code of 0)
- *   param -= (lr / bc1) * (codebook[code] * absmax) / (sqrt(v) / sqrt(bc2) + eps)
+ *   param -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+ * The update uses the exact new m; only the stored copy is quantized.
  * With period 1 the second moment is per element (and `block` is the absmax block).
  * With fp32 momentum (bits 0) m = lerp(m, g, 1 - beta1) is stored as is.
  * 4-bit codes are packed two per byte (element 2i in the low nibble) or stored one
@@ -164,23 +165,23 @@ static double lt_momentum(const float *restrict g, const uint8_t *restrict codes
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* p = p * decay - (step_size * m) / denom over len elements, m = scale * val
-   (p, vel: those elements of the parameter in fp32 and, with period 1, of v). */
-static void lt_update(float *restrict p, const float *restrict val, float scale,
+/* p = p * decay - (step_size * m) / denom over len elements (p, vel: those
+   elements of the parameter in fp32 and, with period 1, of v). */
+static void lt_update(float *restrict p, const float *restrict m,
                       const float *restrict vel, float denom_block, const lt_hyper *h,
                       int64_t len) {
   const float ss = h->step_size, decay = h->decay;
   if (vel == 0) {
     for (int64_t k = 0; k < len; k++) {
       float w = p[k] * decay;
-      p[k] = w - (ss * (val[k] * scale)) / denom_block;
+      p[k] = w - (ss * m[k]) / denom_block;
     }
   } else { /* period 1: one second moment per element */
     const float *restrict v = vel;
     for (int64_t k = 0; k < len; k++) {
       float denom = sqrtf(v[k]) / h->sqrt_bc2 + h->eps;
       float w = p[k] * decay;
-      p[k] = w - (ss * (val[k] * scale)) / denom;
+      p[k] = w - (ss * m[k]) / denom;
     }
   }
 }
@@ -239,43 +240,36 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       p = w->p;
     }
     const float *ve = vel ? vel + a : 0;
+    int updated = 0; /* the 8-bit loops update the parameter as they go */
     if (!bits) {
       memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
-      lt_update(p, w->m, 1.0f, ve, denom, h, l);
-    } else {
-      if (amax > 0.0f && bits == 8) {
-        int64_t t = 0;
+    } else if (amax > 0.0f && bits == 8) {
+      int64_t t = 0;
 #ifdef __AVX512F__
-        if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
-          t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h, codes + s + a);
+      if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
+        t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h, codes + s + a);
 #endif
-        /* in L1-resident tiles: the cells, values and codes a loop writes are read
-           by the next one before they leave L1 */
-        for (; t < l; t += LT_TILE) {
-          const int64_t tl = l - t < LT_TILE ? l - t : LT_TILE;
-          lt_cells(q, w->m + t, amax, tl, w->cell);
-          lt_lookup(q, w->m + t, w->cell, tl, w->val, codes + s + a + t);
-          lt_update(p + t, w->val, amax, ve ? ve + t : 0, denom, h, tl);
-        }
-      } else {
-        if (amax > 0.0f && bits == 4) {
-          lt_lookup16(q, w->m, amax, l, w->val, w->code);
-        } else if (amax > 0.0f) {
-          lt_cells(q, w->m, amax, l, w->cell);
-          lt_lookup(q, w->m, w->cell, l, w->val, w->code);
-        } else {
-          for (int64_t k = 0; k < l; k++) {
-            w->val[k] = q->uniq[zero];
-            w->code[k] = q->first[zero];
-          }
-        }
-        if (bits == 8 || !packed)
-          memcpy(codes + s + a, w->code, (size_t)l);
-        else
-          lt_store_codes(codes, 1, n, s + a, l, w->code);
-        lt_update(p, w->val, amax, ve, denom, h, l);
+      /* in L1-resident tiles: the x values, cells and codes a loop writes are read
+         by the next one before they leave L1 */
+      for (; t < l; t += LT_TILE) {
+        const int64_t tl = l - t < LT_TILE ? l - t : LT_TILE;
+        lt_cells(q, w->m + t, amax, tl, w->val, w->cell);
+        lt_lookup(q, w->val, w->cell, tl, codes + s + a + t);
+        lt_update(p + t, w->m + t, ve ? ve + t : 0, denom, h, tl);
       }
+      updated = 1;
+    } else { /* 4-bit codes, or a block whose momentum is all zero (or NaN) */
+      if (amax > 0.0f)
+        lt_lookup16(q, w->m, amax, l, w->code);
+      else
+        memset(w->code, q->first[zero], (size_t)l);
+      if (bits == 8 || !packed)
+        memcpy(codes + s + a, w->code, (size_t)l);
+      else
+        lt_store_codes(codes, 1, n, s + a, l, w->code);
     }
+    /* the exact new m, not its stored quantization */
+    if (!updated) lt_update(p, w->m, ve, denom, h, l);
     if (io->param_bf16) lt_store_bf16((uint16_t *)param, w->p, s + a, l, io);
   }
 }
