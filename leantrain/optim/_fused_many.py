@@ -38,28 +38,26 @@ class StepItem:
     stochastic_rounding: bool | None = None
     seed: int = 0
 
+    def options(self) -> dict:
+        """The hyperparameters as ``fused_step`` and ``hyperparameters`` take them."""
+        return {
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "maximize": self.maximize,
+        }
+
     def hyper(self, step: float) -> dict[str, float]:
-        return _fused.hyperparameters(
-            step,
-            lr=self.lr,
-            beta1=self.beta1,
-            beta2=self.beta2,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            maximize=self.maximize,
-        )
+        return _fused.hyperparameters(step, **self.options())
 
     def one_step(self) -> None:
         _fused.fused_step(
             self.param,
             self.grad,
             self.state,
-            lr=self.lr,
-            beta1=self.beta1,
-            beta2=self.beta2,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            maximize=self.maximize,
+            **self.options(),
             stochastic_rounding=self.stochastic_rounding,
             seed=self.seed,
         )

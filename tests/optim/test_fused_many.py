@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_fused import HYPER, backend, codebook, copy_state, random_state  # noqa: F401
@@ -46,18 +48,11 @@ def _mixed_items(seed: int = 0) -> list[StepItem]:
 
 def _clone(items: list[StepItem]) -> list[StepItem]:
     return [
-        StepItem(
-            i.param.clone(),
-            i.grad.clone() if i.grad.is_contiguous() else i.grad,
-            copy_state(i.state),
-            lr=i.lr,
-            beta1=i.beta1,
-            beta2=i.beta2,
-            eps=i.eps,
-            weight_decay=i.weight_decay,
-            maximize=i.maximize,
-            stochastic_rounding=i.stochastic_rounding,
-            seed=i.seed,
+        dataclasses.replace(
+            i,
+            param=i.param.clone(),
+            grad=i.grad.clone() if i.grad.is_contiguous() else i.grad,
+            state=copy_state(i.state),
         )
         for i in items
     ]
