@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _fused, _native
+from . import _cabi, _fused, _native
 from ._torch_step import state_layout
 from .precision import default_stochastic, rounding_key
 
@@ -106,7 +106,7 @@ def _launch_all(lib, native: list[tuple[StepItem, tuple[int, int, int], bool]]) 
         step = float(item.state["step"]) + 1
         key = rounding_key(item.seed, int(step)) if stochastic else 0
         jobs.append(
-            _fused.c_job(
+            _cabi.c_job(
                 item.param,
                 item.grad,
                 item.state,
@@ -119,7 +119,7 @@ def _launch_all(lib, native: list[tuple[StepItem, tuple[int, int, int], bool]]) 
         )
     total = sum(item.param.numel() for item, _, _ in native)
     threads = torch.get_num_threads() if total >= _fused._THREAD_MIN else 1
-    max_chunk = _fused._checked_library(lib)
-    _fused.launch(lib, jobs, _fused.C_CHUNK or max_chunk, threads)
+    max_chunk = _cabi.checked_library(lib)
+    _cabi.launch(lib, jobs, _fused.C_CHUNK or max_chunk, threads)
     for item, _, _ in native:
         item.state["step"] += 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_fused import HYPER, backend, codebook, copy_state, random_state  # noqa: F401
 
-from leantrain.optim import _fused, _native
+from leantrain.optim import _cabi, _native
 from leantrain.optim._fused_many import StepItem, step_many
 from leantrain.optim._state import new_state
 
@@ -97,12 +97,12 @@ def test_one_kernel_call_per_step(monkeypatch):
     if _native.load() is None:
         pytest.skip(f"native kernel unavailable: {_native.status()}")
     calls = []
-    real = _fused.launch
+    real = _cabi.launch
 
     def counting(lib, jobs, *args):
         calls.append(len(jobs))
         return real(lib, jobs, *args)
 
-    monkeypatch.setattr(_fused, "launch", counting)
+    monkeypatch.setattr(_cabi, "launch", counting)
     step_many(_mixed_items())
     assert calls == [7]  # 9 items: fp16 and the strided gradient step on their own

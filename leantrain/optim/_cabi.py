@@ -1,0 +1,198 @@
+"""The C kernel's ABI: ctypes mirrors of its structs, one job per parameter, the launch.
+
+``_kernels/gefen_step.c`` takes an array of ``lt_job`` (one parameter's tensors,
+layout and per-step scalars) and steps them all in one parallel region
+(``lt_gefen_step_many``). The structs here must match the C ones field for field;
+:func:`checked_library` compares their sizes with the library's before the first
+call, so a stale or foreign build never receives our pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from ._quant_table import QuantTable, quant_table
+from ._torch_step import packed_codes
+
+
+class _Hyper(ctypes.Structure):
+    # Same order and types as lt_hyper in gefen_step.c.
+    _fields_ = [
+        (name, ctypes.c_float)
+        for name in (
+            "w1",
+            "beta2",
+            "omb2",
+            "decay",
+            "step_size",
+            "sqrt_bc2",
+            "eps",
+            "sign",
+        )
+    ]
+
+
+class _Io(ctypes.Structure):
+    # Same order and types as lt_io in gefen_step.c.
+    _fields_ = [
+        ("param_bf16", ctypes.c_int32),
+        ("grad_bf16", ctypes.c_int32),
+        ("packed", ctypes.c_int32),
+        ("stochastic", ctypes.c_int32),
+        ("key", ctypes.c_uint64),
+    ]
+
+
+class _Quantizer(ctypes.Structure):
+    # Same order and types as lt_quantizer in gefen_step.c.
+    _fields_ = [
+        ("codebook", ctypes.c_void_p),
+        ("uniq", ctypes.c_void_p),
+        ("mid", ctypes.c_void_p),
+        ("first", ctypes.c_void_p),
+        ("lut", ctypes.c_void_p),
+        ("entry", ctypes.c_void_p),
+        ("ncodes", ctypes.c_int32),
+        ("nuniq", ctypes.c_int32),
+        ("ncell", ctypes.c_int32),
+        ("steps", ctypes.c_int32),
+    ]
+
+
+class _Job(ctypes.Structure):
+    # Same order and types as lt_job in gefen_step.c: one parameter's step.
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("absmax", ctypes.c_void_p),
+        ("codes", ctypes.c_void_p),
+        ("exp_avg", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("period", ctypes.c_int64),
+        ("block", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+        ("q", ctypes.c_void_p),  # lt_quantizer *
+        ("h", ctypes.c_void_p),  # lt_hyper *
+        ("io", ctypes.c_void_p),  # lt_io *
+    ]
+
+
+# id(library) -> its largest chunk, once its struct layouts were checked
+_checked: dict[int, int] = {}
+# id(table) -> (table, its ctypes view); the table is held so the id stays its own
+_quantizers: dict[int, tuple[QuantTable, _Quantizer]] = {}
+
+
+def checked_library(lib: ctypes.CDLL) -> int:
+    """The library's largest chunk, after checking (once) that its struct layouts
+    are ours: a stale or foreign build must never get our pointers."""
+    max_chunk = _checked.get(id(lib))
+    if max_chunk is None:
+        if (
+            lib.lt_sizeof_quantizer() != ctypes.sizeof(_Quantizer)
+            or lib.lt_sizeof_hyper() != ctypes.sizeof(_Hyper)
+            or lib.lt_sizeof_io() != ctypes.sizeof(_Io)
+            or lib.lt_sizeof_job() != ctypes.sizeof(_Job)
+        ):
+            raise RuntimeError(
+                "the native kernel's struct layouts differ from _fused's"
+            )
+        max_chunk = _checked[id(lib)] = lib.lt_max_chunk()
+    return max_chunk
+
+
+def _quantizer(table: QuantTable) -> _Quantizer:
+    """The kernel's view of a quantizer table (built once per table)."""
+    entry = _quantizers.get(id(table))
+    if entry is not None and entry[0] is table:
+        return entry[1]
+    view = _Quantizer(
+        table.codebook.data_ptr(),
+        table.uniq.data_ptr(),
+        table.mid.data_ptr(),
+        table.first.data_ptr(),
+        table.lut.data_ptr(),
+        table.entry.data_ptr(),
+        table.codebook.numel(),
+        table.uniq.numel(),
+        table.lut.numel(),
+        table.steps,
+    )
+    if len(_quantizers) >= 16:  # tables are per codebook: one or two in practice
+        _quantizers.clear()
+    _quantizers[id(table)] = (table, view)
+    return view
+
+
+def c_job(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    hyper: dict[str, float],
+    *,
+    layout: tuple[int, int, int],
+    stochastic: bool,
+    key: int,
+    interned: dict,
+) -> _Job:
+    """The kernel's description of one parameter's step (tensors already checked
+    by :func:`_c_problem` and ``state_layout``). Its scalars live in ``interned``
+    (one object per distinct value: parameters of a group share them), which the
+    caller keeps, with the tensors, until :func:`launch` returns."""
+    period, block, bits = layout
+    quantizer = None
+    if bits:  # held here too: _quantizer's cache may drop it during the launch
+        quantizer = _quantizer(quant_table(state["codebook"]))
+        interned["quantizer", id(quantizer)] = quantizer
+    io_fields = (
+        param.dtype == torch.bfloat16,
+        grad.dtype == torch.bfloat16,
+        bits == 4 and packed_codes(param, state),
+        bool(stochastic) and param.dtype == torch.bfloat16,
+        key & 0xFFFFFFFFFFFFFFFF,
+    )
+    io = interned.get(("io", io_fields))
+    if io is None:
+        io = interned["io", io_fields] = _Io(*io_fields)
+    h_fields = tuple(hyper[name] for name, _ in _Hyper._fields_)
+    h = interned.get(("hyper", h_fields))
+    if h is None:
+        h = interned["hyper", h_fields] = _Hyper(*h_fields)
+    return _Job(
+        param.data_ptr(),
+        grad.data_ptr(),
+        state["exp_avg_sq"].data_ptr(),
+        state["exp_avg_absmax"].data_ptr() if bits else None,
+        state["exp_avg_codes"].data_ptr() if bits else None,
+        None if bits else state["exp_avg"].data_ptr(),
+        param.numel(),
+        period,
+        block,
+        bits,
+        0,
+        ctypes.addressof(quantizer) if quantizer is not None else None,
+        ctypes.addressof(h),
+        ctypes.addressof(io),
+    )
+
+
+def launch(lib: ctypes.CDLL, jobs: list[_Job], chunk: int, threads: int) -> None:
+    """One kernel call for every job (threads share out blocks of all of them).
+
+    Raises:
+        MemoryError: the kernel's per-thread buffers do not fit (nothing changed).
+        ValueError: the kernel rejected a job (nothing changed).
+    """
+    array = (_Job * len(jobs))(*jobs)
+    rc = lib.lt_gefen_step_many(array, len(jobs), chunk, threads)
+    if rc == -6:  # its scratch buffers; nothing was changed
+        raise MemoryError(
+            f"the C kernel could not allocate {threads} x {chunk} buffers"
+        )
+    if rc != 0:
+        raise ValueError(f"the C kernel rejected its arguments (code {rc})")
