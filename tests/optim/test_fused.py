@@ -6,7 +6,6 @@ independent brute-force reading of docs/CONTRACTS.md written here.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from fractions import Fraction
@@ -415,57 +414,6 @@ def test_native_build_is_cached_and_optional(tmp_path, monkeypatch):
     monkeypatch.setattr(_native, "_tried", False)
     monkeypatch.setattr(_native, "compiler", lambda: None)
     assert _fused.backend() == "torch" and "no C compiler" in _native.status()
-
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _cpu_has("avx512f"), reason="the AVX-512 path needs AVX-512F")
-def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
-    """The AVX-512 paths (8-bit gathers in gefen_avx512.h, 4-bit permutes in
-    gefen_codes.h) against the same kernel built without AVX-512: every parameter
-    bit, code, absmax and v equal, for 8-bit and packed 4-bit codes, block and
-    per-element second moments, odd blocks, tails shorter than a vector, one and
-    two threads, and gradients with exact zeros and a wide range of magnitudes."""
-    if _native.compiler() is None:
-        pytest.skip("no C compiler on this machine")
-    if _native.load() is None:
-        pytest.skip(f"native kernel unavailable: {_native.status()}")
-    wide = _native.load()
-    monkeypatch.setenv("LEANTRAIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(_native, "FLAGS", _native.FLAGS + ("-mno-avx512f",))
-    monkeypatch.setattr(_native, "_tried", False)
-    monkeypatch.setattr(_native, "_library", None)
-    narrow = _native.load()
-    assert narrow is not None and narrow is not wide, _native.status()
-    cb8 = spaced_codebook(8)
-    assert _quant_table.build_table(cb8).steps <= 1  # the vectorized lookup's case
-    h = _fused.hyperparameters(5.0, **HYPER)
-    cases = [(4099, 61, 1), (4099, 1, 2), (333, 333, 1), (40000, 5000, 2)]
-    for (n, period, threads), bits in itertools.product(cases, (8, 4)):
-        state = random_state(n, period, bits, seed=n + period)
-        if bits == 8:
-            state["codebook"] = cb8
-        g = torch.Generator().manual_seed(n)
-        grad = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
-        grad[::97] = 0.0
-        param = torch.randn(n, generator=g)
-        results = []
-        for lib in (wide, narrow):
-            monkeypatch.setattr(_native, "_library", lib)
-            s, p = copy_state(state), param.clone()
-            for _ in range(3):  # later steps read codes the kernel wrote
-                _fused.c_step(p, grad, s, h, threads=threads)
-            results.append((p, s))
-        (p_w, s_w), (p_n, s_n) = results
-        assert torch.equal(p_w, p_n), (n, period, bits)
-        for key in state:
-            assert torch.equal(s_w[key], s_n[key]), (n, period, bits, key)
 
 
 def test_native_cache_key_covers_every_source_and_header(tmp_path, monkeypatch):
