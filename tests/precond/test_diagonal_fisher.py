@@ -303,6 +303,11 @@ def _two_rank_worker(rank, store_path, out_path, state, x, t):
         gm.forward_and_backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
         torch.save(grads, f"{out_path}.{rank}")
+        # DDP's reducer must be gone and both ranks done before the group is:
+        # tearing gloo down under it aborted a rank once ("terminate called
+        # without an active exception").
+        del gm, ddp
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
