@@ -216,8 +216,9 @@ def muon_step(
         param *= 1 - lr * weight_decay
         param -= adjust_lr(lr) * newton_schulz(u)
 
-    With quantized momentum, ``m`` is de-quantized, updated, re-quantized with a
-    fresh absmax per block, and the *stored* value is what the update uses. With
+    With quantized momentum, ``m`` is de-quantized, updated, and re-quantized with
+    a fresh absmax per block for the next step; this step uses the exact new ``m``
+    (as Gefen does, docs/gefen.md). With
     ``momentum_bits=None`` (state key ``exp_avg``) this is ``torch.optim.Muon``.
 
     Args:
