@@ -8,6 +8,8 @@ at index 0: 1.0"), so a user switching from AdamW reads familiar messages.
 from __future__ import annotations
 
 import numbers
+import os
+import sys
 
 import torch
 from torch import Tensor
@@ -189,3 +191,21 @@ def is_finite(grad: Tensor) -> bool:
         return True
     low, high = torch.aminmax(grad)
     return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+# Frames in these directories are ours or torch's (the @no_grad decorator and the
+# optimizer's step hooks wrap ``step``): a warning skips them to reach the caller.
+_INTERNAL_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # leantrain/
+    os.path.dirname(os.path.abspath(torch.__file__)),
+)
+
+
+def caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for a warning issued by the function that
+    calls this, of the first frame outside leantrain and torch: the user's call
+    of ``step()`` however many wrappers torch puts around it."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level

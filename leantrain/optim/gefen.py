@@ -197,19 +197,23 @@ class Gefen(Optimizer):
             group = _dist.group_of(sharded[0])
             finite = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
         for ok, (_, _, label) in zip(finite, active, strict=True):
-            if ok:
-                continue
-            if self.nonfinite == "raise":
-                raise FloatingPointError(f"Gefen: non-finite gradient in {label}")
-            self.nonfinite_steps += 1
-            warnings.warn(
-                f"Gefen: non-finite gradient in {label}; step skipped, parameters "
-                f"and state unchanged ({self.nonfinite_steps} skipped so far)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return False
+            if not ok:
+                self._reject_nonfinite(label)
+                return False
         return True
+
+    def _reject_nonfinite(self, label: object) -> None:
+        """The non-finite policy for a step left untouched: raise, or count and
+        warn (at the line that called ``step``)."""
+        if self.nonfinite == "raise":
+            raise FloatingPointError(f"Gefen: non-finite gradient in {label}")
+        self.nonfinite_steps += 1
+        warnings.warn(
+            f"Gefen: non-finite gradient in {label}; step skipped, parameters "
+            f"and state unchanged ({self.nonfinite_steps} skipped so far)",
+            RuntimeWarning,
+            stacklevel=_checks.caller_stacklevel(),
+        )
 
     def _codebook(self, bits: int) -> Tensor | None:
         """The optimizer's codebook for ``bits`` if any parameter holds one."""

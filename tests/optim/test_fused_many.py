@@ -99,9 +99,9 @@ def test_one_kernel_call_per_step(monkeypatch):
     calls = []
     real = _cabi.launch
 
-    def counting(lib, jobs, *args):
+    def counting(lib, jobs, *args, **kwargs):
         calls.append(len(jobs))
-        return real(lib, jobs, *args)
+        return real(lib, jobs, *args, **kwargs)
 
     monkeypatch.setattr(_cabi, "launch", counting)
     step_many(_mixed_items())

@@ -686,3 +686,35 @@ def test_invalid_gefen_options_raise(kwargs, message):
         with pytest.raises(ValueError, match=message):
             opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], **kwargs})
         assert len(opt.param_groups) == 1
+
+
+def test_the_skip_warning_points_at_the_callers_line():
+    model = torch.nn.Linear(4, 3)
+    opt = Gefen(model.parameters())
+    for step in range(2):  # a first step (state built after the check) and a later one
+        opt.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        if step:
+            model.weight.grad[0, 0] = float("nan")
+        with pytest.warns(RuntimeWarning) if step else _no_warning() as caught:
+            opt.step()
+        if step:
+            assert caught[0].filename == __file__
+    model.weight.grad[0, 0] = float("nan")  # NaN on the very first step
+    opt2 = Gefen(model.parameters())
+    with pytest.warns(RuntimeWarning) as caught:
+        opt2.step()
+    assert caught[0].filename == __file__
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.simplefilter("error")
+        return []
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
