@@ -367,7 +367,7 @@ class GefenMuon(Optimizer):
                 f"GefenMuon: non-finite gradient in {label}; step skipped, parameters"
                 f" and state unchanged ({self.nonfinite_steps} skipped so far)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=_checks.caller_stacklevel(),
             )
             return loss
         for group, param, label in active:
