@@ -20,17 +20,12 @@ from torch.optim.optimizer import ParamsT
 from . import _checks, _dist
 from . import _reducible_partition as _partition
 from ._fused_many import StepItem, step_many
-from ._sharded import (
-    begin_step,
-    finish_step,
-    local_histogram,
-    new_local_state,
-    partial_absmax,
-)
+from ._sharded import local_histogram, new_local_state, partial_absmax
 from ._state import new_state, qblock_for, state_bits
 from ._state_dict import LazyLabel, load_post_hook, load_pre_hook, state_dict_post_hook
 from ._state_dict import fresh as _fresh
 from ._state_dict import label as _label
+from ._straddle import straddle_layout, straddling_step
 
 __all__ = ["Gefen"]
 
@@ -337,7 +332,8 @@ class Gefen(Optimizer):
         }
         items = []
         for group, param, _ in active:
-            layout = self._layout(param)
+            layouts = self.__dict__.setdefault("_layouts", {})
+            layout = straddle_layout(self.state[param], param, layouts)
             if layout is not None:
                 straddling.append((group, param, layout))
                 continue
@@ -359,7 +355,7 @@ class Gefen(Optimizer):
             )
         step_many(items)  # one kernel call for all of them
         if straddling:
-            self._straddling_step(straddling)
+            straddling_step(self.state, straddling)
         return loss
 
     def _template_step(self, active: list[tuple[dict, Tensor, str]]) -> bool:
@@ -385,60 +381,3 @@ class Gefen(Optimizer):
                 "period": torch.tensor(0, dtype=torch.int64),
             }
         return True
-
-    def _layout(self, param: Tensor) -> tuple | None:
-        """(span, shared second-moment blocks, shared momentum blocks) of a sharded
-        parameter with blocks straddling ranks; None when its local shard is a
-        whole number of blocks (then the local step is the single-process one)."""
-        if not _dist.is_sharded(param):
-            return None
-        cache = self.__dict__.setdefault("_layouts", {})
-        period = int(self.state[param]["period"])
-        if param not in cache or cache[param][0] != period:
-            state = self.state[param]
-            qblock = int(state["qblock"]) if "qblock" in state else period
-            shared_v = _dist.shared_for(param, period)
-            shared_q = _dist.shared_for(param, qblock) if "qblock" in state else []
-            span = _dist.my_span(param)
-            layout = (span, shared_v, shared_q) if shared_v or shared_q else None
-            cache[param] = (period, layout)
-        return cache[param][1]
-
-    def _straddling_step(self, items: list[tuple[dict, Tensor, tuple]]) -> None:
-        """Steps sharded parameters whose blocks straddle ranks: local halves
-        around one SUM and one MAX all_reduce for all of them together."""
-        sums, maxes, begun = _dist.SharedReduce(), _dist.SharedReduce(), []
-        for group, param, (span, shared_v, shared_q) in items:
-            state = self.state[param]
-            g, sq, m, amax = begin_step(
-                param.grad.to_local(),
-                state,
-                span,
-                beta1=float(group["betas"][0]),
-                maximize=group["maximize"],
-            )
-            sums.add(sq, span, int(state["period"]), shared_v)
-            if amax is not None:
-                maxes.add(amax, span, int(state["qblock"]), shared_q)
-            begun.append((g, sq, m, amax))
-        process_group = _dist.group_of(items[0][1])
-        sums.run("sum", process_group)
-        maxes.run("max", process_group)
-        for (group, param, (span, _, _)), (g, sq, m, amax) in zip(
-            items, begun, strict=True
-        ):
-            beta1, beta2 = group["betas"]
-            finish_step(
-                param.to_local(),
-                self.state[param],
-                span,
-                g,
-                sq,
-                m,
-                amax,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-            )
