@@ -16,15 +16,16 @@ works on any model. The pure math is :func:`newton_schulz`, :func:`adjust_lr` an
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from . import _checks
 from ._fused import fused_step
+from ._muon_groups import ADAMW_KEYS, items_of, muon_param_groups, tensor_of
 from ._muon_math import (
     DEFAULT_NS_COEFFICIENTS,
     adjust_lr,
@@ -47,63 +48,6 @@ __all__ = [
     "newton_schulz",
     "newton_schulz_reference",
 ]
-
-# The options of an AdamW-side group and the Muon-group key each one replaces.
-_ADAMW_KEYS = {"lr": "adamw_lr", "betas": "adamw_betas", "eps": "adamw_eps"}
-_ADAMW_KEYS["weight_decay"] = "adamw_weight_decay"
-
-
-def muon_param_groups(
-    model: nn.Module, *, adamw_modules: Iterable[nn.Module] = ()
-) -> list[dict]:
-    """Splits a model's parameters into a Muon group and an AdamW group.
-
-    Muon is meant for hidden-layer matrices. The AdamW group gets every parameter
-    that is not 2-D, the weights of every ``nn.Embedding``, and all parameters of the
-    modules in ``adamw_modules`` (pass the output head here, e.g.
-    ``[model.lm_head]``; a head cannot be recognized from its shape alone).
-
-    Returns:
-        ``[{"params": [...], "use_muon": True}, {"params": [...], "use_muon": False}]``
-        (a group with no parameters is left out), for :class:`GefenMuon`.
-
-    Example:
-        >>> from torch import nn
-        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
-        >>> groups = muon_param_groups(model)
-        >>> [len(g["params"]) for g in groups]
-        [1, 2]
-    """
-    adamw: dict[int, Tensor] = {}
-    for module in list(adamw_modules) + [
-        m for m in model.modules() if isinstance(m, nn.Embedding)
-    ]:
-        for p in module.parameters():
-            adamw[id(p)] = p
-    muon, other = [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        (other if id(p) in adamw or p.ndim != 2 else muon).append(p)
-    groups = [{"params": muon, "use_muon": True}, {"params": other, "use_muon": False}]
-    return [g for g in groups if g["params"]]
-
-
-def _items(params: object) -> list:
-    if isinstance(params, Tensor):
-        return [params]
-    if isinstance(params, set):
-        raise TypeError(
-            "optimizer parameters need to be organized in ordered "
-            "collections, but the ordering of tensors in sets will "
-            "change between runs. Please use a list instead."
-        )
-    return list(params)
-
-
-def _tensor(item: object) -> object:
-    # torch accepts (name, param) pairs; the tensor decides the routing.
-    return item[1] if isinstance(item, tuple) else item
 
 
 class GefenMuon(Optimizer):
@@ -241,10 +185,10 @@ class GefenMuon(Optimizer):
             raise ValueError(
                 f"Invalid use_muon: {use_muon!r}; allowed: True, False, None"
             )
-        items = _items(param_group["params"])
+        items = items_of(param_group["params"])
         if use_muon is None:
-            muon = [i for i in items if getattr(_tensor(i), "ndim", None) == 2]
-            other = [i for i in items if getattr(_tensor(i), "ndim", None) != 2]
+            muon = [i for i in items if getattr(tensor_of(i), "ndim", None) == 2]
+            other = [i for i in items if getattr(tensor_of(i), "ndim", None) != 2]
             parts = [(True, muon)] if muon or not other else []
             parts += [(False, other)] if other else []
         else:
@@ -252,7 +196,7 @@ class GefenMuon(Optimizer):
         for is_muon, part in parts:
             group = {**param_group, "params": part, "use_muon": is_muon}
             if not is_muon:
-                for key, adamw_key in _ADAMW_KEYS.items():
+                for key, adamw_key in ADAMW_KEYS.items():
                     if use_muon is None or key not in param_group:
                         group[key] = param_group.get(
                             adamw_key, self.defaults[adamw_key]
