@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 import os
 import sys
+import warnings
 
 import torch
 from torch import Tensor
@@ -209,3 +210,19 @@ def caller_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def reject_nonfinite(optimizer: object, label: object) -> None:
+    """The non-finite policy of a skipped step (``optimizer.nonfinite``): raise
+    ``FloatingPointError``, or count it in ``optimizer.nonfinite_steps`` and warn
+    at the line that called ``step()``."""
+    name = type(optimizer).__name__
+    if optimizer.nonfinite == "raise":
+        raise FloatingPointError(f"{name}: non-finite gradient in {label}")
+    optimizer.nonfinite_steps += 1
+    warnings.warn(
+        f"{name}: non-finite gradient in {label}; step skipped, parameters and "
+        f"state unchanged ({optimizer.nonfinite_steps} skipped so far)",
+        RuntimeWarning,
+        stacklevel=caller_stacklevel(),
+    )

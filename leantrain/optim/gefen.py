@@ -9,7 +9,6 @@ parity test holds equal to the reference.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -193,22 +192,9 @@ class Gefen(Optimizer):
             finite = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
         for ok, (_, _, label) in zip(finite, active, strict=True):
             if not ok:
-                self._reject_nonfinite(label)
+                _checks.reject_nonfinite(self, label)
                 return False
         return True
-
-    def _reject_nonfinite(self, label: object) -> None:
-        """The non-finite policy for a step left untouched: raise, or count and
-        warn (at the line that called ``step``)."""
-        if self.nonfinite == "raise":
-            raise FloatingPointError(f"Gefen: non-finite gradient in {label}")
-        self.nonfinite_steps += 1
-        warnings.warn(
-            f"Gefen: non-finite gradient in {label}; step skipped, parameters "
-            f"and state unchanged ({self.nonfinite_steps} skipped so far)",
-            RuntimeWarning,
-            stacklevel=_checks.caller_stacklevel(),
-        )
 
     def _codebook(self, bits: int) -> Tensor | None:
         """The optimizer's codebook for ``bits`` if any parameter holds one."""

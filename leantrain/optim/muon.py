@@ -15,7 +15,6 @@ works on any model. The pure math is :func:`newton_schulz`, :func:`adjust_lr` an
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -304,15 +303,7 @@ class GefenMuon(Optimizer):
         for _, param, label in active:
             if _checks.is_finite(param.grad):
                 continue
-            if self.nonfinite == "raise":
-                raise FloatingPointError(f"GefenMuon: non-finite gradient in {label}")
-            self.nonfinite_steps += 1
-            warnings.warn(
-                f"GefenMuon: non-finite gradient in {label}; step skipped, parameters"
-                f" and state unchanged ({self.nonfinite_steps} skipped so far)",
-                RuntimeWarning,
-                stacklevel=_checks.caller_stacklevel(),
-            )
+            _checks.reject_nonfinite(self, label)
             return loss
         for group, param, label in active:
             state = self.state[param]
