@@ -99,9 +99,7 @@ def checked_library(lib: ctypes.CDLL) -> int:
             or lib.lt_sizeof_io() != ctypes.sizeof(_Io)
             or lib.lt_sizeof_job() != ctypes.sizeof(_Job)
         ):
-            raise RuntimeError(
-                "the native kernel's struct layouts differ from _fused's"
-            )
+            raise RuntimeError("the native kernel's struct layouts differ from _cabi's")
         max_chunk = _checked[id(lib)] = lib.lt_max_chunk()
     return max_chunk
 

@@ -172,6 +172,33 @@ def hyperparameters(
     }
 
 
+def check_step(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    stochastic_rounding: bool | None,
+    seed: object,
+) -> tuple[tuple[int, int, int], bool] | None:
+    """The checks of one parameter's step, before anything changes: its state
+    layout ``(period, block, bits)`` and whether it rounds stochastically, or None
+    for an empty parameter (nothing to do).
+
+    Raises:
+        ValueError: grad and param differ in size, or the state does not fit.
+        TypeError: a bad ``stochastic_rounding`` or a ``seed`` that is not an int.
+    """
+    n = param.numel()
+    if grad.numel() != n:
+        raise ValueError(f"grad has {grad.numel()} elements, param {n}")
+    if n == 0:
+        return None
+    layout = state_layout(param, state)
+    stochastic = default_stochastic(param.dtype, stochastic_rounding)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    return layout, stochastic
+
+
 @torch.no_grad()
 def fused_step(
     param: Tensor,
@@ -222,15 +249,10 @@ def fused_step(
         >>> torch.allclose(p, torch.full((6,), 0.9))
         True
     """
-    n = param.numel()
-    if grad.numel() != n:
-        raise ValueError(f"grad has {grad.numel()} elements, param {n}")
-    if n == 0:
+    checked = check_step(param, grad, state, stochastic_rounding, seed)
+    if checked is None:
         return
-    layout = state_layout(param, state)  # raises before anything changes
-    stochastic = default_stochastic(param.dtype, stochastic_rounding)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    layout, stochastic = checked
     state["step"] += 1
     key = rounding_key(seed, int(state["step"])) if stochastic else 0
     hyper = hyperparameters(

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _cabi, _fused, _native
-from ._torch_step import state_layout
-from .precision import default_stochastic, rounding_key
+from .precision import rounding_key
 
 
 @dataclass
@@ -79,16 +78,12 @@ def step_many(items: Sequence[StepItem]) -> None:
     others: list[StepItem] = []
     for item in items:
         param, grad, state = item.param, item.grad, item.state
-        n = param.numel()
-        if grad.numel() != n:
-            raise ValueError(f"grad has {grad.numel()} elements, param {n}")
-        if n == 0:
+        checked = _fused.check_step(
+            param, grad, state, item.stochastic_rounding, item.seed
+        )
+        if checked is None:  # an empty parameter
             continue
-        layout = state_layout(param, state)
-        stochastic = default_stochastic(param.dtype, item.stochastic_rounding)
-        seed = item.seed
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        layout, stochastic = checked
         if lib is not None and _fused._c_problem(param, grad, state) is None:
             native.append((item, layout, stochastic))
         else:
