@@ -50,7 +50,6 @@ class _Quantizer(ctypes.Structure):
     # Same order and types as lt_quantizer in gefen_step.c.
     _fields_ = [
         ("codebook", ctypes.c_void_p),
-        ("uniq", ctypes.c_void_p),
         ("mid", ctypes.c_void_p),
         ("first", ctypes.c_void_p),
         ("lut", ctypes.c_void_p),
@@ -111,7 +110,6 @@ def _quantizer(table: QuantTable) -> _Quantizer:
         return entry[1]
     view = _Quantizer(
         table.codebook.data_ptr(),
-        table.uniq.data_ptr(),
         table.mid.data_ptr(),
         table.first.data_ptr(),
         table.lut.data_ptr(),

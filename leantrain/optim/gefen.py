@@ -316,9 +316,8 @@ class Gefen(Optimizer):
             id(p): i
             for i, p in enumerate(p for g in self.param_groups for p in g["params"])
         }
-        items = []
+        items, layouts = [], self.__dict__.setdefault("_layouts", {})
         for group, param, _ in active:
-            layouts = self.__dict__.setdefault("_layouts", {})
             layout = straddle_layout(self.state[param], param, layouts)
             if layout is not None:
                 straddling.append((group, param, layout))

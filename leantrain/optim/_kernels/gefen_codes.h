@@ -45,9 +45,8 @@
 
 typedef struct {
   const float *codebook; /* [ncodes] values, dequantization of the old codes */
-  const float *uniq;     /* [nuniq] distinct codebook values, ascending */
   const float *mid;      /* [nuniq] midpoints, mid[nuniq-1] = +inf (sentinel) */
-  const uint8_t *first;  /* [nuniq] lowest code holding uniq[k] */
+  const uint8_t *first;  /* [nuniq] lowest code holding the k-th distinct value */
   const int16_t *lut;    /* [ncell] midpoints in lower cells (~count: cell has some) */
   const uint64_t *entry; /* [ncell] j = that count << 32 | fp32 bits of mid[j] */
   int32_t ncodes;        /* 2**bits */

@@ -69,8 +69,8 @@ typedef struct {
 } lt_hyper;
 
 typedef struct { /* per-thread buffers of `chunk` elements */
-  float *m;      /* momentum, then m / absmax */
-  float *val;    /* the quantized value of each element */
+  float *m;      /* the new momentum (fp32, what the update uses) */
+  float *val;    /* m / absmax of each element (the 8-bit lookup input) */
   int32_t *cell; /* lookup cell of each element */
   uint8_t *code; /* new codes */
   float *g;      /* the gradient in fp32 (bf16 gradients only) */
