@@ -1,5 +1,5 @@
-"""The layer-parallel demos' pure helpers (examples/_lp_demo.py): the learning-rate
-schedule and the perturbation that measures a run's noise floor."""
+"""The layer-parallel demos (examples/_lp_demo.py): the learning-rate schedule, the
+perturbation that measures a run's noise floor, and the ViT demo end to end."""
 
 from __future__ import annotations
 
@@ -65,3 +65,44 @@ def test_perturb_is_relative_seeded_and_zero_is_identity():
     )
     with pytest.raises(ValueError, match="rel"):
         perturb_(model, -1.0)
+
+
+@pytest.mark.parametrize("data", ["shapes", "digits"])
+def test_lp_vit_runs_end_to_end_in_one_process(data, tmp_path, capsys):
+    """A few steps of the ViT demo, serial and layer-parallel (one-process solver):
+    the demo wires data, model and solver together, and before any step the two runs
+    see the same model (the same first evaluation, up to the MGRIT forward's error)."""
+    import lp_vit
+    from _lp_demo import parser, run
+
+    cli = parser("test")
+    cli.add_argument("--data", default=data)
+    args = cli.parse_args(
+        [
+            "--steps",
+            "4",
+            "--layers",
+            "8",
+            "--procs",
+            "1",
+            "--eval-every",
+            "2",
+            "--fwd-iters",
+            "2",
+            "--bwd-iters",
+            "2",
+            "--switch-at",
+            "0.5",
+            "--lr",
+            "1e-3",
+            "--out",
+            str(tmp_path / "vit.png"),
+        ]
+    )
+    result = run(lp_vit.make_demo, args)
+    serial, parallel = result["serial"]["curve"], result["parallel"]["curve"]
+    assert [s for s, _ in serial] == [0, 2, 4] == [s for s, _ in parallel]
+    assert serial[0][1] == pytest.approx(parallel[0][1], rel=1e-5)
+    assert all(math.isfinite(v) for _, v in serial + parallel)
+    assert (tmp_path / "vit.png").exists()
+    assert "relative difference" in capsys.readouterr().out

@@ -13,6 +13,7 @@ from leantrain.data.images import (
     load_image_folder,
     split_fixed,
 )
+from leantrain.data.shapes import ShapesTask, shape_images
 from leantrain.data.synthetic import (
     SEQUENCE_KINDS,
     ClassificationTask,
@@ -41,6 +42,7 @@ __all__ = [
     "ImageSplit",
     "RegressionTask",
     "SequenceTask",
+    "ShapesTask",
     "TensorBatches",
     "TextCorpus",
     "TokenBatches",
@@ -53,6 +55,7 @@ __all__ = [
     "sample_windows",
     "sample_windows_reference",
     "sequence_task",
+    "shape_images",
     "split_bytes",
     "split_fixed",
     "stdlib_files",
