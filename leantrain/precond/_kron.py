@@ -47,7 +47,11 @@ def damped_inverse(matrix: Tensor, damping: float) -> Tensor:
         damped.diagonal(dim1=-2, dim2=-1).add_(damping)
         factor, info = cholesky_ex(damped)
         if not bool((info != 0).any()):
-            return torch.cholesky_inverse(factor)
+            # LAPACK returns the inverse column-major (strides (1, n)); every step
+            # multiplies with it, and oneMKL's GEMM on such an operand ran a K-FAC
+            # apply 1.65x slower (0.56 vs 0.34 ms on a 256-wide layer): one copy
+            # per inversion buys row-major operands for all the steps that reuse it.
+            return torch.cholesky_inverse(factor).contiguous()
     return cholesky_inverse(matrix, damping)
 
 

@@ -29,6 +29,7 @@ from leantrain.precond._checks import (
     check_open_unit,
     check_positive_float,
 )
+from leantrain.precond._denormal import denormals_flushed
 from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
 
 __all__ = ["PreconditionedGradientMaker", "PreconditioningConfig", "is_due"]
@@ -283,14 +284,18 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         preconditioner_due = self.config.preconditioner_due(self.step)
         if curvature_due:
             output, loss = self._curvature_pass()
-            self.update_curvature()
+            with denormals_flushed():
+                self.update_curvature()
             self.curvature_updates += 1
         else:
             output, loss = self._forward_backward()
-        if preconditioner_due:
-            self.update_preconditioner()
-            self.preconditioner_updates += 1
-        self.precondition()
+        # The model's own passes above run in the user's float mode; only the
+        # curvature arithmetic flushes subnormals (see _denormal.py for why).
+        with denormals_flushed():
+            if preconditioner_due:
+                self.update_preconditioner()
+                self.preconditioner_updates += 1
+            self.precondition()
         self.step += 1
         return output, loss
 
