@@ -250,6 +250,8 @@ class KfacGradientMaker(KronFactorMaker):
             op = self.ops[name]
             if name in captured:
                 continue
+            if self._apply_linear(op, inv):
+                continue
             g = read_canonical(op)
             if g is None:
                 continue
@@ -262,6 +264,41 @@ class KfacGradientMaker(KronFactorMaker):
             parts = [self._apply(inv, i, g[sl], lam) for i, sl in enumerate(rows)]
             out = parts[0] if len(parts) == 1 else torch.cat(parts)  # sites: row blocks
             write_canonical(op, out)
+
+    def _apply_linear(self, op: Any, inv: dict[str, Any]) -> bool:
+        """``B^{-1} [G_W, g_b] A^{-1}`` for a whole ``nn.Linear``, in place of its
+        ``.grad`` fields, without the canonical layout's concatenate and split
+        copies (a tenth of a millisecond per step on the digits MLP). Returns False
+        where the general path applies (other modules, several sites, Cholesky
+        factors, ``"exact"``, a missing gradient)."""
+        if (
+            type(op.module) is not nn.Linear
+            or self.damping_mode == "exact"
+            or inv.get("cholesky")
+            or "unit" in inv
+            or len(inv["A"]) != 1
+        ):
+            return False
+        params = op.params
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads) or any(
+            g.dtype != params[0].dtype for g in grads
+        ):
+            return False
+        dtype = grads[0].dtype
+        a, b = inv["A"][0].to(dtype), inv["B"][0].to(dtype)
+        left = b @ grads[0]  # B^-1 G_W
+        if len(params) == 1:
+            grads[0].copy_(left @ a)
+            return True
+        k = grads[0].shape[1]
+        left_b = b @ grads[1]  # B^-1 g_b
+        # [L, l_b] A^-1 = L A^-1[:k] + l_b A^-1[k]: weight columns, then bias column.
+        weight = torch.addr(torch.mm(left, a[:k, :k]), left_b, a[k, :k])
+        bias = torch.addmv(left_b * a[k, k], left, a[:k, k])
+        grads[0].copy_(weight)  # in place: DDP may hold .grad in its buckets
+        grads[1].copy_(bias)
+        return True
 
     def _apply(self, inv: dict[str, Any], i: int, g: Tensor, lam: float) -> Tensor:
         """Preconditioned rows of site ``i``: two matmuls (four for ``"exact"``)."""

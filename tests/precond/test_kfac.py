@@ -87,14 +87,22 @@ def test_exact_damping_equals_dense_inverse(kind):
     assert_exact_damping_equals_dense(model, x, t, ("0", "2"), kind)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("interval", [1, 2])
 @pytest.mark.parametrize("mode", ["pi", "tikhonov"])
-def test_factored_damping_equals_its_formula(mode):
+def test_factored_damping_equals_its_formula(mode, interval, bias):
+    # interval 1 keeps Cholesky factors and solves; interval 2 caches the inverses
+    # and takes the nn.Linear path that writes .grad without the canonical layout.
     model, (x, t), lam = mlp(), batch(), 1e-2
+    if not bias:
+        model[0].bias = None
     ref = plain_grads(model, x, t)
     factors = kron_factors(ref, x, t, ["0", "2"], "fisher_exact")
     gm = KfacGradientMaker(
         model,
-        PreconditioningConfig(damping=lam),
+        PreconditioningConfig(
+            damping=lam, curvature_interval=interval, preconditioner_interval=interval
+        ),
         fisher_type="fisher_exact",
         damping_mode=mode,
     )
