@@ -27,6 +27,11 @@ Usage::
     python benchmarks/precond.py                      # a few minutes
     python benchmarks/precond.py --full               # 500 steps
     python benchmarks/precond.py --models mlp --methods kfac,kfac_10,seng
+    python benchmarks/precond.py --models mlp,cnn \
+        --methods kfac,kfac_10,shampoo_10,asdl_kfac,asdl_kfac_10,asdl_shampoo_10
+
+``asdl_*`` methods run ASDL's own makers (``ASDL_PEERS``) in the same turns, when
+ASDL is installed: the anchors' ratios measured side by side, not quoted.
 """
 
 from __future__ import annotations
@@ -55,6 +60,16 @@ MODELS = {
     "cnn": lambda: CNN(widths=(16, 32, 32)),
     "tiny": lambda: MLP((64, 16, 10)),
 }
+# ASDL's makers as peers, when installed (``pip install --no-deps asdfghjkl==0.1a5``):
+# name -> (class, curvature and preconditioner interval, kwargs). Damping 1: smaller
+# values crash its float32 Cholesky on the MLP (the π-split leaves a factor
+# indefinite); the damping does not change the cost of a step.
+ASDL_PEERS = {
+    "asdl_kfac": ("KfacGradientMaker", 1, {"fisher_type": "fisher_mc"}),
+    "asdl_kfac_10": ("KfacGradientMaker", 10, {"fisher_type": "fisher_mc"}),
+    "asdl_shampoo_10": ("ShampooGradientMaker", 10, {}),
+}
+ASDL_DAMPING = 1.0
 DENSE_LIMIT = 4096  # parameters: dense P x P methods run on the tiny model only
 BASELINES = {"sgd": 0.1, "adamw": 3e-3}  # learning rates (AdamW: the better of
 # 1e-3 and 3e-3 at 500 steps on the MLP, docs/precond_methods_kron.md)
@@ -88,6 +103,24 @@ class Run:
             kwargs = {} if method == "adamw" else {"momentum": 0.9}
             self.opt = opt_cls(model.parameters(), lr=BASELINES[method], **kwargs)
             self.gm = GradientMaker(model)
+        elif method in ASDL_PEERS:
+            self.done = True
+            try:
+                import asdl
+            except ImportError:
+                self.error = "not installed (pip install --no-deps asdfghjkl==0.1a5)"
+                return
+            cls, interval, kwargs = ASDL_PEERS[method]
+            config = asdl.PreconditioningConfig(
+                data_size=128,
+                damping=ASDL_DAMPING,
+                curvature_upd_interval=interval,
+                preconditioner_upd_interval=interval,
+            )
+            self.gm = getattr(asdl, cls)(model, config, **kwargs)
+            self.done = False
+            lr = PRECOND_METHODS[method.removeprefix("asdl_")].lr
+            self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         else:
             spec = PRECOND_METHODS[method]
             size = sum(p.numel() for p in model.parameters())
@@ -185,19 +218,23 @@ def main(argv=None):
             f"target = AdamW's loss after {n_steps} steps = {target:.4f}"
         )
         print(
-            f"{'method':<14}{'step ms':>9}{'x SGD':>8}{'steps to target':>17}"
+            f"{'method':<16}{'step ms':>9}{'x SGD':>8}{'steps to target':>17}"
             f"{'final loss':>12}  note"
         )
         for method, (median, curve, error) in rows.items():
             if median is None:
-                print(f"{method:<14}{'-':>9}{'-':>8}{'-':>17}{'-':>12}  {error}")
+                print(f"{method:<16}{'-':>9}{'-':>8}{'-':>17}{'-':>12}  {error}")
                 continue
             hit = next((s for s, loss in curve if loss <= target), None)
             note = error or (
-                PRECOND_METHODS[method].note if method in PRECOND_METHODS else ""
+                PRECOND_METHODS[method].note
+                if method in PRECOND_METHODS
+                else f"ASDL 0.1a5, damping {ASDL_DAMPING:g}"
+                if method in ASDL_PEERS
+                else ""
             )
             print(
-                f"{method:<14}{median * 1e3:>9.2f}{median / sgd_time:>8.2f}"
+                f"{method:<16}{median * 1e3:>9.2f}{median / sgd_time:>8.2f}"
                 f"{(str(hit) if hit is not None else '-'):>17}"
                 f"{curve[-1][1]:>12.4f}  {note}"
             )

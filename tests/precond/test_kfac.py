@@ -119,6 +119,26 @@ def test_factored_damping_equals_its_formula(mode, interval, bias):
         torch.testing.assert_close(ours, want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("interval", [1, 2])
+def test_cnn_pi_damping_equals_its_formula(interval):
+    # interval 2: cached inverses, the Conv2d written straight into .grad.
+    model, (x, t), lam = cnn(), batch((6, 2, 4, 4)), 1e-2
+    ref = plain_grads(model, x, t)
+    factors = kron_factors(ref, x, t, ["0", "3"], "fisher_emp")
+    config = PreconditioningConfig(
+        damping=lam, curvature_interval=interval, preconditioner_interval=interval
+    )
+    gm = KfacGradientMaker(model, config, fisher_type="fisher_emp")
+    step(gm, model, x, t)
+    for name in ("0", "3"):
+        a, b = factors[name]
+        damp_a, damp_b = factor_dampings(a, b, lam, "pi")
+        g = canonical_grad(dict(ref.named_modules())[name])
+        want = dense_solve(a, b, g, damp_a=damp_a, damp_b=damp_b)
+        got = canonical_grad(dict(model.named_modules())[name])
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 def test_cnn_exact_damping_equals_dense():
     model, (x, t) = cnn(), batch((6, 2, 4, 4))
     assert_exact_damping_equals_dense(model, x, t, ("0", "3"), "fisher_emp")
