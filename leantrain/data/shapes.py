@@ -19,12 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from leantrain.data.batches import _check_positive
 from leantrain.data.images import ImageSplit
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -156,7 +152,7 @@ def shape_images(
         ("shape_size", shape_size),
         ("lit", lit),
     ]:
-        _check_positive_int(name, value)
+        _check_positive(name, value)
     if isinstance(n_classes, bool) or not isinstance(n_classes, int) or n_classes < 2:
         raise ValueError(f"n_classes must be an int >= 2, got {n_classes!r}")
     if shape_size > image_size:
