@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from leantrain.precond._checks import check_extra_state
 from leantrain.precond._factored import LinearCapture
 from leantrain.precond._fisher import FisherMaker
+from leantrain.precond._gram import LowRankFactor
 from leantrain.precond.curv import CurvatureCollector, cholesky_ex, cholesky_inverse
 from leantrain.precond.curv.modules import ModuleOp
 from leantrain.precond.gradient_maker import unwrap_model
@@ -101,14 +102,50 @@ class _PassCollector(CurvatureCollector):
 
     EKFAC needs the per-pass sites (inputs and output-gradients) to re-estimate its
     scaling in the eigenbasis; the collector only keeps running factor sums.
+
+    For the modules in :attr:`low_rank` (one-site linear maps) the factors are not
+    formed: :meth:`statistics` returns them as :class:`LowRankFactor` rows (inputs
+    with the bias column, scaled ``1/N``; the output-gradients of every pass), for
+    K-FAC's Gram-matrix inverses (``_gram.py``).
     """
 
     on_pass: Callable[[dict], None] | None = None
+    low_rank: frozenset[str] = frozenset()
+
+    def reset(self) -> None:
+        super().reset()
+        self._grad_rows: dict[str, list[Tensor]] = {}
+
+    def _wants_kron(self, name: str) -> bool:
+        return name not in self.low_rank
 
     def _update(self, data: dict) -> None:
         super()._update(data)
+        for name in self.low_rank:
+            for site in data.get(name) or ():
+                e = site.e.reshape(-1, site.e.shape[-1])
+                self._grad_rows.setdefault(name, []).append(e)
         if self.on_pass is not None:
             self.on_pass({name: sites for name, sites in data.items() if sites})
+
+    def statistics(self) -> dict[str, dict]:
+        out = super().statistics()
+        for name in self.low_rank:
+            calls, grads = self._calls[name], self._grad_rows.get(name)
+            if not calls or not grads:
+                continue  # no forward, or no gradient reached the module
+            op = self.ops[name]
+            inputs = [f["a"][0] for f, _ in calls]  # (N, T, J) per call
+            inputs = op._augmented(
+                inputs[0] if len(inputs) == 1 else torch.cat(inputs, 1)
+            )
+            out[name]["A"] = [
+                LowRankFactor(inputs.reshape(-1, inputs.shape[-1]), 1.0 / len(inputs))
+            ]
+            rows = grads[0] if len(grads) == 1 else torch.cat(grads)
+            out[name]["B"] = [LowRankFactor(rows, 1.0)]
+            out[name]["rows"] = op.site_rows(calls)
+        return out
 
 
 class KronFactorMaker(FisherMaker):

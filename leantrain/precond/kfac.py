@@ -27,6 +27,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from leantrain.precond._gram import (
+    GramInverse,
+    LowRankFactor,
+    factor_inverse,
+    right_solve,
+)
 from leantrain.precond._kron import (
     KronFactorMaker,
     damped_inverse,
@@ -37,8 +43,10 @@ from leantrain.precond.curv import (
     cholesky_inverse,
     damped_cholesky,
     pi_damping,
+    pi_split,
     robust_eigh,
 )
+from leantrain.precond.curv.modules import LinearOp
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["DAMPING_MODES", "KfacGradientMaker", "kfac_precondition"]
@@ -71,13 +79,6 @@ def kfac_precondition(
     else:
         damp_a = damp_b = math.sqrt(damping)
     return cholesky_inverse(b, damp_b) @ grad @ cholesky_inverse(a, damp_a)
-
-
-def right_solve(m: Tensor, lower: Tensor) -> Tensor:
-    """``m (L L^T)^{-1}`` by two triangular solves on the rows of ``m``."""
-    lower = lower.to(m.dtype)
-    z = torch.linalg.solve_triangular(lower.mT, m, upper=True, left=False)
-    return torch.linalg.solve_triangular(lower, z, upper=False, left=False)
 
 
 def write_factored(
@@ -123,6 +124,34 @@ def write_factored(
     params[0].grad = left @ right
     if len(params) == 2:
         params[1].grad = bias
+
+
+def _formed(factor: LowRankFactor | Tensor) -> Tensor:
+    return factor.dense() if isinstance(factor, LowRankFactor) else factor
+
+
+def write_operators(op: Any, x: Tensor, e: Tensor, a_inv: Any, b_inv: Any) -> None:
+    r"""``.grad`` of a Linear from its inputs ``x`` ``(N, J)`` and output-gradients
+    ``e`` ``(N, R)`` with inverse operators (``_gram.py``): ``(B^{-1} E^T)([X, 1]
+    A^{-1})``. A Gram-matrix ``A^{-1}`` was built from these very inputs (the
+    curvature pass is the step's own pass), so ``[X, 1] A^{-1}`` is its
+    :meth:`~leantrain.precond._gram.GramInverse.rows_times_inverse`."""
+    params = op.params
+    dtype = params[0].dtype
+    k = x.shape[1]
+    left = b_inv.left(e.to(dtype).T)  # (R, N)
+    if isinstance(a_inv, GramInverse):
+        if a_inv.n_rows != x.shape[0]:
+            raise RuntimeError("the low-rank input factor is not this pass's inputs")
+        right = a_inv.rows_times_inverse().to(dtype)
+    else:
+        x = x.to(dtype)
+        if len(params) == 2:
+            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+        right = a_inv.right(x)  # (N, U)
+    params[0].grad = left @ right[:, :k]
+    if len(params) == 2:
+        params[1].grad = left @ right[:, k]
 
 
 class KfacGradientMaker(KronFactorMaker):
@@ -180,7 +209,10 @@ class KfacGradientMaker(KronFactorMaker):
         loss_reduction: Literal["mean", "sum"] = "mean",
         logits_fn: Callable[[Any], Tensor] | None = None,
         seed: int = 0,
+        low_rank: bool = True,
     ) -> None:
+        if not isinstance(low_rank, bool):
+            raise TypeError(f"low_rank must be a bool, got {low_rank!r}")
         if damping_mode not in DAMPING_MODES:
             raise ValueError(
                 f"damping_mode must be one of {DAMPING_MODES}, got {damping_mode!r}"
@@ -202,6 +234,49 @@ class KfacGradientMaker(KronFactorMaker):
             logits_fn=logits_fn,
             seed=seed,
         )
+        config = self.config
+        if (
+            low_rank
+            and damping_mode != "exact"
+            and config.ema_decay is None
+            and config.preconditioner_interval == 1
+            and not isinstance(model, nn.parallel.DistributedDataParallel)
+        ):
+            # Each factor is this batch's alone and used once: keep its rows and
+            # invert through the Gram matrix where that is narrower (_gram.py).
+            self._collector.low_rank = frozenset(
+                name for name, op in self.ops.items() if isinstance(op, LinearOp)
+            )
+
+    @property
+    def factors(self) -> dict[str, dict[str, Any]]:
+        """Per module ``{"A": [..], "B": [..], "rows": [..]}`` (or ``{"unit": ..}``):
+        the current factors as ``(d, d)`` tensors. Low-rank factors (``low_rank``)
+        are kept as their rows and formed here, on access only."""
+        for f in self._factors.values():
+            for key in ("A", "B"):
+                if key in f and any(isinstance(x, LowRankFactor) for x in f[key]):
+                    f[key] = [_formed(x) for x in f[key]]
+        return self._factors
+
+    @factors.setter
+    def factors(self, value: dict[str, dict[str, Any]]) -> None:
+        self._factors = value
+
+    def update_curvature(self) -> None:
+        """Fold this pass's factors into :attr:`factors`; low-rank factors (see
+        ``low_rank``) are kept as their rows, replacing the last."""
+        low = {
+            name: stats
+            for name, stats in self._stats.items()
+            if isinstance(stats.get("A", [None])[0], LowRankFactor)
+        }
+        self._stats = {n: s for n, s in self._stats.items() if n not in low}
+        for name in low:  # replaced below; never formed just to be dropped
+            self._factors.pop(name, None)
+        super().update_curvature()
+        for name, stats in low.items():
+            self._factors[name] = {k: stats[k] for k in ("A", "B", "rows")}
 
     def update_preconditioner(self) -> None:
         """Invert the damped factors (or eigendecompose them for ``"exact"``)."""
@@ -210,9 +285,12 @@ class KfacGradientMaker(KronFactorMaker):
         # costs twice the factorization and only pays off when reused.
         solve = self.config.preconditioner_interval == 1
         inverses: dict[str, dict[str, Any]] = {}
-        for name, f in self.factors.items():
+        for name, f in self._factors.items():
             if "unit" in f:
                 inverses[name] = {"unit": damped_inverse(f["unit"], lam)}
+                continue
+            if isinstance(f["A"][0], LowRankFactor):
+                inverses[name] = self._operators(f, lam)
                 continue
             inv: dict[str, Any] = {"A": [], "B": []}
             if solve and self.damping_mode != "exact":
@@ -232,6 +310,24 @@ class KfacGradientMaker(KronFactorMaker):
             inverses[name] = inv
         self.inverses = inverses
 
+    def _operators(self, f: dict[str, Any], lam: float) -> dict[str, Any]:
+        """Inverse operators of low-rank factors: Gram-matrix or Cholesky, per side."""
+        inv: dict[str, Any] = {"A": [], "B": [], "operators": True}
+        for a, b in zip(f["A"], f["B"], strict=True):
+            if self.damping_mode == "pi":
+                mean_a, mean_b = (
+                    x.trace_mean()
+                    if isinstance(x, LowRankFactor)
+                    else float(x.diagonal().sum()) / x.shape[-1]
+                    for x in (a, b)
+                )
+                damp_a, damp_b = pi_split(mean_a, mean_b, lam)
+            else:
+                damp_a = damp_b = math.sqrt(lam)
+            inv["A"].append(factor_inverse(a, damp_a))
+            inv["B"].append(factor_inverse(b, damp_b))
+        return inv
+
     @torch.no_grad()
     def precondition(self) -> None:
         """``.grad`` of each module ← its (possibly stale) K-FAC preconditioned grad."""
@@ -241,6 +337,9 @@ class KfacGradientMaker(KronFactorMaker):
             inv = self.inverses.get(name)
             if inv is None:  # no curvature yet: the plain gradient
                 write_factored(self.ops[name], x, e)
+                continue
+            if inv.get("operators"):
+                write_operators(self.ops[name], x, e, inv["A"][0], inv["B"][0])
                 continue
             cholesky = inv.get("cholesky", False)
             write_factored(
@@ -260,7 +359,7 @@ class KfacGradientMaker(KronFactorMaker):
                 u = inv["unit"].to(dtype)
                 write_canonical(op, torch.einsum("ruv,rv->ru", u, g))
                 continue
-            rows = self.factors[name]["rows"]
+            rows = self._factors[name]["rows"]
             parts = [self._apply(inv, i, g[sl], lam) for i, sl in enumerate(rows)]
             out = parts[0] if len(parts) == 1 else torch.cat(parts)  # sites: row blocks
             write_canonical(op, out)
@@ -275,6 +374,7 @@ class KfacGradientMaker(KronFactorMaker):
             type(op.module) not in (nn.Linear, nn.Conv2d)
             or self.damping_mode == "exact"
             or inv.get("cholesky")
+            or inv.get("operators")
             or "unit" in inv
             or len(inv["A"]) != 1
         ):
@@ -310,6 +410,8 @@ class KfacGradientMaker(KronFactorMaker):
             inner = qb.T.to(dtype) @ g @ qa.to(dtype)
             scale = (lb.unsqueeze(1) * la.unsqueeze(0) + lam).to(dtype)
             return qb.to(dtype) @ (inner / scale) @ qa.T.to(dtype)
+        if inv.get("operators"):
+            return inv["B"][i].left(inv["A"][i].right(g))
         if inv.get("cholesky"):
             return right_solve(right_solve(g, inv["A"][i]).mT, inv["B"][i]).mT
         return inv["B"][i].to(dtype) @ g @ inv["A"][i].to(dtype)
@@ -320,6 +422,10 @@ class KfacGradientMaker(KronFactorMaker):
     def _preconditioner_state(self) -> dict[str, Tensor]:
         inverses: dict[str, Tensor] = {}
         for name, inv in self.inverses.items():
+            if inv.get("operators"):
+                # Rebuilt from this step's batch before every use (interval 1):
+                # nothing of them is needed to resume.
+                continue
             if "unit" in inv:
                 inverses[f"{name}/U"] = inv["unit"]
                 continue

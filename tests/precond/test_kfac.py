@@ -17,6 +17,7 @@ from _kron_reference import (
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
+from leantrain.precond._gram import GramInverse
 from leantrain.precond.kfac import KfacGradientMaker, kfac_precondition
 
 
@@ -374,21 +375,28 @@ def factored_want(ref, x, t, mode, lam, names=("0", "2", "4")):
 
 
 @pytest.mark.parametrize("mode", ["pi", "tikhonov"])
-@pytest.mark.parametrize("interval", [1, 2])
-def test_wide_layers_skip_weight_gradient_and_match_formula(mode, interval):
+@pytest.mark.parametrize(("interval", "low_rank"), [(1, True), (1, False), (2, True)])
+def test_wide_layers_skip_weight_gradient_and_match_formula(mode, interval, low_rank):
     # batch 4 < width 16: layers "0" and "2" are preconditioned as
-    # (B^-1 E^T)(X A^-1) without forming dW; interval 1 keeps Cholesky factors.
+    # (B^-1 E^T)(X A^-1) without forming dW; interval 1 keeps Cholesky factors,
+    # or (low_rank) inverts the 5-row input factors through their 5x5 Gram matrix.
     model, lam = wide_mlp(), 1e-2
     x, t = batch((4, 6))
     cfg = PreconditioningConfig(
         damping=lam, curvature_interval=interval, preconditioner_interval=interval
     )
-    gm = KfacGradientMaker(model, cfg, fisher_type="fisher_exact", damping_mode=mode)
+    gm = KfacGradientMaker(
+        model, cfg, fisher_type="fisher_exact", damping_mode=mode, low_rank=low_rank
+    )
     ref = plain_grads(model, x, t)
     step(gm, model, x, t)
     assert gm._capture.records["2"] is not None  # the factored path ran
     assert gm._capture.records["4"] is None  # narrow output: plain dW
-    assert gm.inverses["2"].get("cholesky", False) == (interval == 1)
+    if interval == 1 and low_rank:
+        assert gm.inverses["2"]["operators"]
+        assert isinstance(gm.inverses["2"]["A"][0], GramInverse)
+    else:
+        assert gm.inverses["2"].get("cholesky", False) == (interval == 1)
     want = factored_want(ref, x, t, mode, lam)
     for name in ("0", "2", "4"):
         got = canonical_grad(dict(model.named_modules())[name])

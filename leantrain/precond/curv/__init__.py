@@ -12,6 +12,7 @@ from .linalg import (
     cholesky_inverse,
     damped_cholesky,
     pi_damping,
+    pi_split,
     robust_eigh,
 )
 from .modules import SUPPORTED_MODULES
@@ -43,5 +44,6 @@ __all__ = [
     "dense_hessian",
     "output_vectors",
     "pi_damping",
+    "pi_split",
     "robust_eigh",
 ]

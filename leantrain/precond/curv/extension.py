@@ -292,6 +292,11 @@ class CurvatureCollector:
                     "e.g. functionally or tied elsewhere); list it in ignore_modules"
                 )
 
+    def _wants_kron(self, name: str) -> bool:
+        """Whether module ``name``'s Kronecker factors are formed (a subclass may
+        keep what they are made of instead)."""
+        return True
+
     def _update(self, data: dict) -> None:
         for name, op in self.ops.items():
             sites = data[name]
@@ -302,7 +307,7 @@ class CurvatureCollector:
                 _add(acc, "diag", op.diag(sites))
             if "unit" in self.shapes or ("kron" in self.shapes and not op.kron_capable):
                 _add(acc, "unit", op.unit(sites))
-            if "kron" in self.shapes and op.kron_capable:
+            if "kron" in self.shapes and op.kron_capable and self._wants_kron(name):
                 for i, b in enumerate(op.kron_b(sites)):
                     _add(acc, f"B{i}", b)
             if "layer" in self.shapes:
@@ -346,9 +351,11 @@ class CurvatureCollector:
         out: dict[str, dict] = {}
         for name, op in self.ops.items():
             stats = dict(self._acc[name])
-            if "kron" in self.shapes and op.kron_capable and self._calls[name]:
-                stats["A"] = op.kron_a(self._calls[name])
-                stats["rows"] = op.site_rows(self._calls[name])
+            calls = self._calls[name]
+            kron = "kron" in self.shapes and op.kron_capable and calls
+            if kron and self._wants_kron(name):
+                stats["A"] = op.kron_a(calls)
+                stats["rows"] = op.site_rows(calls)
                 stats["B"] = [stats.pop(f"B{i}", None) for i in range(len(stats["A"]))]
             out[name] = stats
         return out

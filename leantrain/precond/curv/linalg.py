@@ -16,6 +16,7 @@ __all__ = [
     "cholesky_inverse",
     "damped_cholesky",
     "pi_damping",
+    "pi_split",
     "robust_eigh",
     "symmetrize",
 ]
@@ -226,11 +227,17 @@ def pi_damping(a: torch.Tensor, b: torch.Tensor, damping: float) -> tuple[float,
         >>> pi_damping(torch.eye(2) * 4.0, torch.eye(3), 1e-2)
         (0.2, 0.05)
     """
+    mean_a = float(a.diagonal(dim1=-2, dim2=-1).sum()) / a.shape[-1]
+    mean_b = float(b.diagonal(dim1=-2, dim2=-1).sum()) / b.shape[-1]
+    return pi_split(mean_a, mean_b, damping)
+
+
+def pi_split(mean_a: float, mean_b: float, damping: float) -> tuple[float, float]:
+    r""":func:`pi_damping` from the factors' mean eigenvalues ``tr A / dim A`` and
+    ``tr B / dim B`` (for factors that are never formed, e.g. low-rank ones)."""
     damping = float(damping)
     if not damping >= 0.0 or damping == float("inf"):
         raise ValueError(f"damping must be finite and >= 0, got {damping}")
-    mean_a = float(a.diagonal(dim1=-2, dim2=-1).sum()) / a.shape[-1]
-    mean_b = float(b.diagonal(dim1=-2, dim2=-1).sum()) / b.shape[-1]
     pi = (mean_a / mean_b) ** 0.5 if mean_a > 0 and mean_b > 0 else 1.0
     root = damping**0.5
     return root * pi, root / pi
