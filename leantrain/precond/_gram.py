@@ -37,6 +37,7 @@ __all__ = [
     "CholeskyInverse",
     "GramInverse",
     "LowRankFactor",
+    "as_dense",
     "factor_inverse",
     "right_solve",
 ]
@@ -145,6 +146,11 @@ class CholeskyInverse:
     def left(self, m: Tensor) -> Tensor:
         """``(F + λ I)^{-1} m`` for ``m`` of shape ``(d, k)``."""
         return right_solve(m.mT, self.cholesky).mT
+
+
+def as_dense(factor: LowRankFactor | Tensor) -> Tensor:
+    """A factor as its ``(d, d)`` tensor (formed if low-rank)."""
+    return factor.dense() if isinstance(factor, LowRankFactor) else factor
 
 
 def factor_inverse(

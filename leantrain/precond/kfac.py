@@ -28,10 +28,16 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._gram import (
-    GramInverse,
     LowRankFactor,
+    as_dense,
     factor_inverse,
     right_solve,
+)
+from leantrain.precond._kfac_apply import (
+    inverse_state,
+    inverses_from_state,
+    write_factored,
+    write_operators,
 )
 from leantrain.precond._kron import (
     KronFactorMaker,
@@ -81,79 +87,6 @@ def kfac_precondition(
     return cholesky_inverse(b, damp_b) @ grad @ cholesky_inverse(a, damp_a)
 
 
-def write_factored(
-    op: Any,
-    x: Tensor,
-    e: Tensor,
-    a: Tensor | None = None,
-    b: Tensor | None = None,
-    *,
-    cholesky: bool = False,
-) -> None:
-    r"""``.grad`` of a Linear from its inputs ``x`` ``(N, J)`` and output-gradients
-    ``e`` ``(N, R)``: ``(B^{-1} E^T)([X, 1] A^{-1})`` split into weight and bias, or
-    the plain ``E^T [X, 1]`` without ``a`` and ``b``. Equals ``B^{-1} G A^{-1}``
-    with ``G = E^T [X, 1]``
-    (see :func:`~leantrain.precond._factored.factored_is_cheaper`).
-    ``a`` and ``b`` are the damped inverses, or with ``cholesky`` their lower
-    Cholesky factors (applied by triangular solves).
-    """
-    params = op.params
-    dtype = params[0].dtype
-    x, e = x.to(dtype), e.to(dtype)
-    k = x.shape[1]
-    if a is None or b is None:
-        left, right = e.T, x
-        bias = e.sum(0)
-    elif cholesky:
-        if len(params) == 2:
-            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
-        left = right_solve(e, b).T  # (R, N)
-        right = right_solve(x, a)  # (N, U)
-        bias = left @ right[:, k] if len(params) == 2 else None
-        right = right[:, :k]
-    else:
-        a, b = a.to(dtype), b.to(dtype)
-        left = b @ e.T  # (R, N)
-        if len(params) == 2:  # [X, 1] A^{-1} = X A^{-1}[:k] + 1 A^{-1}[k]
-            right = torch.addmm(a[k], x, a[:k])
-            bias = left @ right[:, k]
-            right = right[:, :k]
-        else:
-            right = x @ a
-    params[0].grad = left @ right
-    if len(params) == 2:
-        params[1].grad = bias
-
-
-def _formed(factor: LowRankFactor | Tensor) -> Tensor:
-    return factor.dense() if isinstance(factor, LowRankFactor) else factor
-
-
-def write_operators(op: Any, x: Tensor, e: Tensor, a_inv: Any, b_inv: Any) -> None:
-    r"""``.grad`` of a Linear from its inputs ``x`` ``(N, J)`` and output-gradients
-    ``e`` ``(N, R)`` with inverse operators (``_gram.py``): ``(B^{-1} E^T)([X, 1]
-    A^{-1})``. A Gram-matrix ``A^{-1}`` was built from these very inputs (the
-    curvature pass is the step's own pass), so ``[X, 1] A^{-1}`` is its
-    :meth:`~leantrain.precond._gram.GramInverse.rows_times_inverse`."""
-    params = op.params
-    dtype = params[0].dtype
-    k = x.shape[1]
-    left = b_inv.left(e.to(dtype).T)  # (R, N)
-    if isinstance(a_inv, GramInverse):
-        if a_inv.n_rows != x.shape[0]:
-            raise RuntimeError("the low-rank input factor is not this pass's inputs")
-        right = a_inv.rows_times_inverse().to(dtype)
-    else:
-        x = x.to(dtype)
-        if len(params) == 2:
-            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
-        right = a_inv.right(x)  # (N, U)
-    params[0].grad = left @ right[:, :k]
-    if len(params) == 2:
-        params[1].grad = left @ right[:, k]
-
-
 class KfacGradientMaker(KronFactorMaker):
     r"""K-FAC with exact, Monte-Carlo or empirical Fisher factors.
 
@@ -166,7 +99,12 @@ class KfacGradientMaker(KronFactorMaker):
     matmuls). A ``nn.Linear`` wider than the batch skips its weight gradient and is
     preconditioned as ``(B^{-1} E^T)([X, 1] A^{-1})`` from its output-gradients
     ``E`` and inputs ``X`` (same result, less arithmetic; single process, ``.grad``
-    ``None`` before the step). Under ``DistributedDataParallel``
+    ``None`` before the step). When each factor replaces the last
+    (``ema_decay=None``) and the preconditioner is rebuilt every step, a linear
+    layer's factors are one batch's Gram matrices: where one has fewer rows than it
+    is wide it is never formed and is inverted through the batch's ``P x P`` Gram
+    matrix instead (``low_rank``, ``_gram.py``; same result). Under
+    ``DistributedDataParallel``
     curvature steps bypass the wrapper and average the gradient and the factors over
     the group, so every rank holds the union-batch factors (for ``"fisher_mc"`` the
     draws differ per rank, so only the expectation matches).
@@ -181,6 +119,9 @@ class KfacGradientMaker(KronFactorMaker):
         loss_reduction: ``"mean"`` or ``"sum"``, as your loss reduces.
         logits_fn: maps the model output to the logits (batch first).
         seed: seeds the Monte-Carlo draws.
+        low_rank: allow the Gram-matrix inverses of low-rank factors (single
+            process, ``ema_decay=None``, ``preconditioner_interval=1``, not
+            ``"exact"``); ``False`` always forms the factors.
 
     Example:
         >>> import torch
@@ -256,7 +197,7 @@ class KfacGradientMaker(KronFactorMaker):
         for f in self._factors.values():
             for key in ("A", "B"):
                 if key in f and any(isinstance(x, LowRankFactor) for x in f[key]):
-                    f[key] = [_formed(x) for x in f[key]]
+                    f[key] = [as_dense(x) for x in f[key]]
         return self._factors
 
     @factors.setter
@@ -420,50 +361,7 @@ class KfacGradientMaker(KronFactorMaker):
     preconditioner_key = "inverses"
 
     def _preconditioner_state(self) -> dict[str, Tensor]:
-        inverses: dict[str, Tensor] = {}
-        for name, inv in self.inverses.items():
-            if inv.get("operators"):
-                # Rebuilt from this step's batch before every use (interval 1):
-                # nothing of them is needed to resume.
-                continue
-            if "unit" in inv:
-                inverses[f"{name}/U"] = inv["unit"]
-                continue
-            suffix = "/cholesky" if inv.get("cholesky") else ""
-            for key in ("A", "B"):
-                for i, item in enumerate(inv[key]):
-                    if isinstance(item, tuple):
-                        inverses[f"{name}/{key}{i}/values"] = item[0]
-                        inverses[f"{name}/{key}{i}/vectors"] = item[1]
-                    else:
-                        inverses[f"{name}/{key}{i}{suffix}"] = item
-        return inverses
+        return inverse_state(self.inverses)
 
     def _load_preconditioner_state(self, tensors: dict[str, Tensor]) -> None:
-        inverses: dict[str, dict[str, Any]] = {}
-        pending: dict[tuple[str, str, int], dict[str, Tensor]] = {}
-        for key, value in tensors.items():
-            parts = key.split("/")
-            if parts[-1] == "cholesky":  # a Cholesky factor (preconditioner interval 1)
-                parts = parts[:-1]
-                inverses.setdefault("/".join(parts[:-1]), {"A": {}, "B": {}})[
-                    "cholesky"
-                ] = True
-            if parts[-1] in ("values", "vectors"):
-                name, slot, which = "/".join(parts[:-2]), parts[-2], parts[-1]
-                pending.setdefault((name, slot[0], int(slot[1:])), {})[which] = value
-                continue
-            name, slot = "/".join(parts[:-1]), parts[-1]
-            if slot == "U":
-                inverses[name] = {"unit": value.clone()}
-            else:
-                entry = inverses.setdefault(name, {"A": {}, "B": {}})
-                entry[slot[0]][int(slot[1:])] = value.clone()
-        for (name, side, i), pair in pending.items():
-            entry = inverses.setdefault(name, {"A": {}, "B": {}})
-            entry[side][i] = (pair["values"].clone(), pair["vectors"].clone())
-        for entry in inverses.values():
-            for side in ("A", "B"):
-                if side in entry:
-                    entry[side] = [entry[side][i] for i in range(len(entry[side]))]
-        self.inverses = inverses
+        self.inverses = inverses_from_state(tensors)
