@@ -215,6 +215,10 @@ class KronFactorMaker(FisherMaker):
     factored_gradients = False
 
     # -- the passes -------------------------------------------------------------
+    def _unwritten_gradients(self) -> list[Tensor]:
+        # Captured layers hold (X, E) instead of .grad until precondition().
+        return [t for pair in self._captured.values() for t in pair]
+
     def _capturing(self) -> bool:
         """Skip weight gradients of factored layers? Never under DDP (the wrapper
         averages ``.grad``; ``E`` and ``X`` are per rank)."""

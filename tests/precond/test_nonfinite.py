@@ -1,0 +1,87 @@
+"""A non-finite loss or gradient on a curvature step leaves the maker's state intact."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leantrain.precond import PreconditioningConfig
+from leantrain.precond.registry import make_gradient_maker
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    # 24 wide at batch 8: K-FAC skips the middle weight gradient (factored path).
+    return nn.Sequential(
+        nn.Linear(5, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3)
+    )
+
+
+def batches():
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 5, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+        for _ in range(3)
+    ]
+
+
+def step(gm, net, x, t):
+    for p in net.parameters():
+        p.grad = None
+    gm.setup_loss_call(F.cross_entropy, gm.setup_model_call(net, x), t)
+    gm.forward_and_backward()
+    return [p.grad for p in net.parameters()]
+
+
+def tensors(state):
+    """Every tensor of a (nested) state dict, in key order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for k in sorted(state, key=str) for t in tensors(state[k])]
+    return []
+
+
+@pytest.mark.parametrize("method", ["kfac", "kfac_10", "shampoo", "ng_diag", "seng"])
+def test_nonfinite_curvature_pass_is_discarded(method):
+    (x0, t0), (x1, t1), (x2, t2) = batches()
+    net = model()
+    gm = make_gradient_maker(method, net)
+    if gm.config.curvature_interval > 1:  # every step is a curvature step here
+        gm.config = PreconditioningConfig(damping=gm.config.damping, ema_decay=0.9)
+    ref_net = copy.deepcopy(net)
+    ref = make_gradient_maker(method, ref_net)
+    ref.config = gm.config
+    step(gm, net, x0, t0)
+    step(ref, ref_net, x0, t0)
+    before = copy.deepcopy(gm.state_dict())
+
+    bad = x1.clone()
+    bad[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        grads = step(gm, net, bad, t1)
+    assert not all(torch.isfinite(g).all() for g in grads)  # passed on as it is
+    assert gm.skipped_curvature_updates == 1
+    after = gm.state_dict()
+    assert after["curvature_updates"] == before["curvature_updates"]
+    assert after["preconditioner_updates"] == before["preconditioner_updates"]
+    for a, b in zip(tensors(before), tensors(after), strict=True):
+        if a.dtype.is_floating_point:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    # The next finite step continues from the state of the last finite one: as if
+    # the bad step never happened (the step counter aside, which both share here).
+    ref.step = gm.step
+    if hasattr(gm, "generator"):  # the bad pass drew its Monte-Carlo samples too
+        ref.generator.set_state(gm.generator.get_state())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        got = step(gm, net, x2, t2)
+    want = step(ref, ref_net, x2, t2)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
