@@ -102,8 +102,15 @@ def test_kron_factors_match_direct_computation(model_name, module_name, layout):
     assert rel_err(got[module_name].B, b) < 1e-10
 
 
-def test_kron_keeps_exact_unit_blocks_for_normalization_layers():
+@pytest.mark.parametrize("zero_gamma", [False, True])
+def test_kron_keeps_exact_unit_blocks_for_normalization_layers(zero_gamma):
+    # x̂ is read back from the BatchNorm output as (y - β) / γ; a zero γ takes the
+    # normalization route instead (its unit block is still exact).
     case = make_case("cnn")
+    if zero_gamma:
+        with torch.no_grad():
+            case.model.bn.weight[1] = 0.0
+            case.model.bn1d.weight[0] = 0.0
     loss = nn.CrossEntropyLoss()
     ref = dense_curvature(case.model, loss, case.inputs, case.ce_targets, "ggn")
     got = curvature(
