@@ -85,3 +85,17 @@ def test_nonfinite_curvature_pass_is_discarded(method):
     want = step(ref, ref_net, x2, t2)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_all_finite_sees_nan_and_inf_and_not_a_large_half_sum():
+    from leantrain.precond.preconditioned import all_finite
+
+    ok = [torch.randn(50, 40), torch.randn(7, dtype=torch.float64)]
+    assert all_finite(ok) and all_finite([])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(50, 40)
+        t[3, 4] = bad
+        assert not all_finite([*ok, t])
+    # 70,000 ones sum past float16's 65,504: summed in float32, still finite.
+    assert all_finite([torch.ones(70_000, dtype=torch.float16)])
+    assert all_finite([torch.ones(70_000, dtype=torch.bfloat16)])
