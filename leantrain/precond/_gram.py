@@ -44,10 +44,13 @@ __all__ = [
 
 
 def right_solve(m: Tensor, lower: Tensor) -> Tensor:
-    """``m (L L^T)^{-1}`` by two triangular solves on the rows of ``m``."""
-    lower = lower.to(m.dtype)
-    z = torch.linalg.solve_triangular(lower.mT, m, upper=True, left=False)
-    return torch.linalg.solve_triangular(lower, z, upper=False, left=False)
+    """``m (L L^T)^{-1}`` by two triangular solves on the rows of ``m``, in the wider
+    of the two dtypes (LAPACK has no half precision: a bf16 gradient is solved
+    against its float32 factor and cast back)."""
+    dtype = torch.promote_types(m.dtype, lower.dtype)
+    lower, rows = lower.to(dtype), m.to(dtype)
+    z = torch.linalg.solve_triangular(lower.mT, rows, upper=True, left=False)
+    return torch.linalg.solve_triangular(lower, z, upper=False, left=False).to(m.dtype)
 
 
 @dataclass

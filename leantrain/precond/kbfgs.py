@@ -218,13 +218,20 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
             old = before.get(name)
             if old is None or "g_sum" not in rec or "g_sum" not in old:
                 continue
-            w = _read_weight(self.ops[name])
-            s = w @ rec["a_mean"] - self._weight_before(name) @ old["a_mean"]
+            mean, mean_before = rec["a_mean"], old["a_mean"]
+            # In the statistics' (float32 or wider) dtype: a bf16 layer's weights too.
+            w = _read_weight(self.ops[name]).to(mean.dtype)
+            s = w @ mean - self._weight_before(name).to(mean.dtype) @ mean_before
             y = rec["g_sum"] - old["g_sum"]
             h = self.h_inverse.get(name)
             if h is None:
                 h = torch.eye(s.shape[0], dtype=s.dtype, device=s.device)
             s, y = powell_lm_damping(h, s, y, self.mu1, root)
+            if not bool(s @ y > 0):
+                # s = 0: the layer's pre-activations did not move since the last
+                # curvature step (weights unchanged, e.g. a step GradScaler skipped
+                # or lr 0), so the pair holds no curvature; BFGS would divide by 0.
+                continue
             self.h_inverse[name] = bfgs_inverse_update(h, s, y)
             updated = True
         self.bfgs_updates += int(updated)

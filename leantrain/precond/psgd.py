@@ -154,9 +154,12 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
             rows, cols = op.canon_index.shape
             scale = init_scale**0.25
             like = op.params[0].detach()
+            # Half-precision layers keep float32 factors: LAPACK's triangular solve
+            # has no bf16/fp16, and the fit's small steps would round away there.
+            dtype = like.dtype if like.element_size() >= 4 else torch.float32
             self.factors[name] = [
-                scale * torch.eye(rows, dtype=like.dtype),
-                scale * torch.eye(cols, dtype=like.dtype),
+                scale * torch.eye(rows, dtype=dtype),
+                scale * torch.eye(cols, dtype=dtype),
             ]
         self._refresh_products()
 

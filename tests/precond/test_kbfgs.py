@@ -176,3 +176,22 @@ def test_state_dict_resume_is_bit_exact():
 def test_bad_mu1_raises(mu1, err):
     with pytest.raises(err, match="mu1"):
         KbfgsGradientMaker(mlp(), mu1=mu1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unchanged_weights_skip_the_bfgs_update_and_stay_finite(dtype):
+    # Two curvature steps with no optimizer step between them (a step GradScaler
+    # skipped, lr 0): s = 0, so the pair is skipped instead of dividing by s^T y = 0.
+    # A bf16 model runs its statistics in float32.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)).to(dtype)
+    gm = KbfgsGradientMaker(net, PreconditioningConfig(damping=1e-2))
+    x, t = torch.randn(16, 6, dtype=dtype), torch.randint(0, 3, (16,))
+    for _ in range(3):
+        for p in net.parameters():
+            p.grad = None
+        gm.setup_loss_call(F.cross_entropy, gm.setup_model_call(net, x), t)
+        gm.forward_and_backward()
+        assert all(torch.isfinite(p.grad.float()).all() for p in net.parameters())
+        assert all(p.grad.dtype == dtype for p in net.parameters())
+    assert gm.bfgs_updates == 0 and not gm.h_inverse

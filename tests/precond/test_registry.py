@@ -33,6 +33,34 @@ def test_every_method_builds_and_steps(name):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("name", sorted(PRECOND_METHODS))
+def test_every_method_preconditions_a_bfloat16_model(name):
+    # Curvature stays in float32 (LAPACK has no bf16); .grad keeps the model's dtype
+    # and stays close to that of the model's float32 copy after two steps.
+    if available_methods()[name] is not None:
+        pytest.skip(f"{name} not importable here: {available_methods()[name]}")
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+        model = model.to(dtype)
+        gm = make_gradient_maker(name, model)
+        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
+        t = torch.arange(16) % 3
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = None
+            gm.setup_loss_call(F.cross_entropy, gm.setup_model_call(model, x), t)
+            gm.forward_and_backward()
+        grads[dtype] = [p.grad for p in model.parameters()]
+    assert all(g.dtype == torch.bfloat16 for g in grads[torch.bfloat16])
+    g32, g16 = (torch.cat([g.float().reshape(-1) for g in grads[d]]) for d in grads)
+    # bf16 rounding moves every method by 0.4-3.5% here; the plain gradient instead
+    # of the preconditioned one is 70-94% off (PSGD aside: 5%, its fitted
+    # preconditioner is still near the identity after two steps).
+    assert (g16 - g32).norm() / g32.norm() < 0.1
+
+
 def test_overrides_and_errors():
     model = nn.Sequential(nn.Linear(4, 3))
     gm = make_gradient_maker(
