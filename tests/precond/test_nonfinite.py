@@ -99,3 +99,27 @@ def test_all_finite_sees_nan_and_inf_and_not_a_large_half_sum():
     # 70,000 ones sum past float16's 65,504: summed in float32, still finite.
     assert all_finite([torch.ones(70_000, dtype=torch.float16)])
     assert all_finite([torch.ones(70_000, dtype=torch.bfloat16)])
+
+
+@pytest.mark.parametrize("method", ["kfac", "seng", "shampoo", "hessian_free"])
+def test_empty_batch_on_a_curvature_step(method):
+    # Makers whose curvature comes from module hooks refuse it by name (their
+    # factors divide by the example count), the others see the mean loss of no
+    # examples, NaN, and discard the pass; neither changes the state.
+    net = model()
+    gm = make_gradient_maker(method, net)
+    x, t = torch.randn(0, 5), torch.zeros(0, dtype=torch.long)
+    before = copy.deepcopy(gm.state_dict())
+    gm.setup_loss_call(F.cross_entropy, gm.setup_model_call(net, x), t)
+    if method in ("kfac", "seng"):
+        with pytest.raises(ValueError, match="module '0': the batch is empty"):
+            gm.forward_and_backward()
+        assert gm.step == 0
+    else:
+        with pytest.warns(RuntimeWarning, match="non-finite"):
+            gm.forward_and_backward()
+        assert gm.skipped_curvature_updates == 1
+    after = gm.state_dict()
+    assert after["curvature_updates"] == before["curvature_updates"] == 0
+    for a, b in zip(tensors(before), tensors(after), strict=True):
+        assert torch.equal(a, b)

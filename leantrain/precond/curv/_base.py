@@ -118,3 +118,8 @@ def _batch(x: torch.Tensor, name: str, min_dim: int) -> None:
             f"module {name!r}: curvature needs a batch dimension; got input shape "
             f"{tuple(x.shape)}"
         )
+    if x.shape[0] == 0:  # factors divide by the example count; nothing to estimate
+        raise ValueError(
+            f"module {name!r}: the batch is empty (input shape {tuple(x.shape)}); "
+            "a curvature estimate needs at least one example"
+        )
