@@ -47,6 +47,22 @@ def all_finite(tensors: list[Tensor]) -> bool:
     return bool(torch.stack([x.double() for x in sums]).isfinite().all())
 
 
+def _check_preconditionable(name: str, module: nn.Module) -> None:
+    """Refuse, when the maker is built, what no curvature here is defined for."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+        raise ValueError(
+            f"module {name!r}: {type(module).__name__}(sparse=True) produces sparse "
+            "gradients, which no preconditioner here reads; build it with "
+            "sparse=False or list it in ignore_modules"
+        )
+    for pname, p in module.named_parameters(recurse=False):
+        if p.requires_grad and p.is_complex():
+            raise ValueError(
+                f"module {name!r}: parameter {pname!r} is complex ({p.dtype}); the "
+                "curvature here is real (list the module in ignore_modules)"
+            )
+
+
 class PreconditionedGradientMaker(GradientMaker, abc.ABC):
     """Base of every preconditioned gradient maker.
 
@@ -120,6 +136,8 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
                 f"modules in the model: {supported or 'none'}; "
                 f"ignore_modules={config.ignore_modules!r}."
             )
+        for name, module in self.modules():
+            _check_preconditionable(name or "<root>", module)
 
     # -- what subclasses define ---------------------------------------------------
     @abc.abstractmethod

@@ -70,3 +70,38 @@ def test_overrides_and_errors():
     with pytest.raises(ValueError, match="unknown preconditioning method 'nope'"):
         make_gradient_maker("nope", model)
     assert issubclass(MethodUnavailableError, ImportError)
+
+
+class SparseBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(10, 8, sparse=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.e(ids).mean(1))
+
+
+@pytest.mark.parametrize("name", sorted(PRECOND_METHODS))
+def test_sparse_embedding_is_refused_by_name_or_left_alone(name):
+    if available_methods()[name] is not None:
+        pytest.skip(f"{name} not importable here: {available_methods()[name]}")
+    torch.manual_seed(0)
+    ids, t = torch.randint(0, 10, (6, 4)), torch.randint(0, 3, (6,))
+    model = SparseBag()
+    if name in ("psgd", "kbfgs"):  # Linear/Conv2d only: the sparse grad passes by
+        gm = make_gradient_maker(name, model)
+    else:
+        with pytest.raises(ValueError, match=r"module 'e': Embedding\(sparse=True\)"):
+            make_gradient_maker(name, model)
+        gm = make_gradient_maker(name, model, config={"ignore_modules": (model.e,)})
+    gm.setup_loss_call(F.cross_entropy, gm.setup_model_call(model, ids), t)
+    gm.forward_and_backward()
+    assert model.e.weight.grad.is_sparse
+    assert torch.isfinite(model.head.weight.grad).all()
+
+
+def test_complex_parameters_are_refused_by_name():
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="module '0': parameter 'weight' is complex"):
+        make_gradient_maker("kfac", model)
