@@ -8,6 +8,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from _kfac_helpers import batch, cnn, factor_dampings, mlp, plain_grads, step
 from _kron_reference import (
     canonical_grad,
     dense_solve,
@@ -17,48 +18,7 @@ from _kron_reference import (
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond._gram import GramInverse
 from leantrain.precond.kfac import KfacGradientMaker, kfac_precondition
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-
-
-def cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 16, 3)
-    ).double()
-
-
-def batch(shape=(10, 4)):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(*shape, generator=g, dtype=torch.float64)
-    t = torch.randint(0, 3, (shape[0],), generator=g)
-    return x, t
-
-
-def step(gm, model, x, t):
-    model.zero_grad()
-    y = gm.setup_model_call(model, x)
-    gm.setup_loss_call(F.cross_entropy, y, t)
-    return gm.forward_and_backward()
-
-
-def plain_grads(model, x, t):
-    ref = copy.deepcopy(model)
-    F.cross_entropy(ref(x), t).backward()
-    return ref
-
-
-def factor_dampings(a, b, lam, mode):
-    """``(damp_a, damp_b)`` of the ``"pi"`` or ``"tikhonov"`` rule, written out."""
-    if mode == "pi":
-        pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
-        return pi * lam**0.5, lam**0.5 / pi
-    return lam**0.5, lam**0.5
 
 
 def assert_exact_damping_equals_dense(model, x, t, names, kind, lam=1e-2):
@@ -349,126 +309,3 @@ def test_root_parameter_keeps_plain_gradient_and_children_are_preconditioned():
     torch.testing.assert_close(
         canonical_grad(model.body[2]), want, rtol=1e-6, atol=1e-10
     )
-
-
-# -- fast paths: same results as the dense formulas --------------------------------
-def wide_mlp(inplace: bool = False) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(6, 16),
-        nn.ReLU(inplace=inplace),
-        nn.Linear(16, 16),
-        nn.Tanh(),
-        nn.Linear(16, 3),
-    ).double()
-
-
-def factored_want(ref, x, t, mode, lam, names=("0", "2", "4")):
-    factors = kron_factors(ref, x, t, list(names), "fisher_exact")
-    want = {}
-    for name in names:
-        a, b = factors[name]
-        damp_a, damp_b = factor_dampings(a, b, lam, mode)
-        g = canonical_grad(dict(ref.named_modules())[name])
-        want[name] = dense_solve(a, b, g, damp_a=damp_a, damp_b=damp_b)
-    return want
-
-
-@pytest.mark.parametrize("mode", ["pi", "tikhonov"])
-@pytest.mark.parametrize(("interval", "low_rank"), [(1, True), (1, False), (2, True)])
-def test_wide_layers_skip_weight_gradient_and_match_formula(mode, interval, low_rank):
-    # batch 4 < width 16: layers "0" and "2" are preconditioned as
-    # (B^-1 E^T)(X A^-1) without forming dW; interval 1 keeps Cholesky factors,
-    # or (low_rank) inverts the 5-row input factors through their 5x5 Gram matrix.
-    model, lam = wide_mlp(), 1e-2
-    x, t = batch((4, 6))
-    cfg = PreconditioningConfig(
-        damping=lam, curvature_interval=interval, preconditioner_interval=interval
-    )
-    gm = KfacGradientMaker(
-        model, cfg, fisher_type="fisher_exact", damping_mode=mode, low_rank=low_rank
-    )
-    ref = plain_grads(model, x, t)
-    step(gm, model, x, t)
-    assert gm._capture.records["2"] is not None  # the factored path ran
-    assert gm._capture.records["4"] is None  # narrow output: plain dW
-    if interval == 1 and low_rank:
-        assert gm.inverses["2"]["operators"]
-        assert isinstance(gm.inverses["2"]["A"][0], GramInverse)
-    else:
-        assert gm.inverses["2"].get("cholesky", False) == (interval == 1)
-    want = factored_want(ref, x, t, mode, lam)
-    for name in ("0", "2", "4"):
-        got = canonical_grad(dict(model.named_modules())[name])
-        torch.testing.assert_close(got, want[name], rtol=1e-9, atol=1e-12)
-    if interval == 2:  # next step: no curvature, stale inverses, factored again
-        x2 = x.flip(0) * 2
-        ref = plain_grads(model, x2, t)
-        step(gm, model, x2, t)
-        assert gm._capture.records["2"] is not None
-        inv = gm.inverses["2"]
-        want = inv["B"][0] @ canonical_grad(ref[2]) @ inv["A"][0]
-        torch.testing.assert_close(canonical_grad(model[2]), want, rtol=1e-9, atol=0)
-
-
-def test_accumulated_grad_is_preconditioned_whole():
-    # .grad already holds a gradient: the preconditioned gradient is that of the
-    # sum, as for loss.backward(); the factored path must step aside.
-    model, lam = wide_mlp(), 1e-2
-    x, t = batch((4, 6))
-    gm = KfacGradientMaker(
-        model, PreconditioningConfig(damping=lam), fisher_type="fisher_exact"
-    )
-    old = [torch.randn_like(p) for p in model.parameters()]
-    for p, g in zip(model.parameters(), old, strict=True):
-        p.grad = g.clone()
-    y = gm.setup_model_call(model, x)
-    gm.setup_loss_call(F.cross_entropy, y, t)
-    gm.forward_and_backward()
-    ref = plain_grads(model, x, t)
-    for p, g in zip(ref.parameters(), old, strict=True):
-        p.grad += g
-    want = factored_want(ref, x, t, "pi", lam)
-    for name in ("0", "2", "4"):
-        got = canonical_grad(dict(model.named_modules())[name])
-        torch.testing.assert_close(got, want[name], rtol=1e-9, atol=1e-12)
-
-
-def test_inplace_activation_gives_the_same_preconditioned_gradient():
-    # ReLU(inplace=True) rewrites layer "0"'s output after its hook: the output
-    # gradient would belong to the rewritten tensor, so both the gradient capture
-    # and the curvature pass fall back to parameter gradients.
-    x, t = batch((4, 6))
-    grads = []
-    for inplace in (False, True):
-        model = wide_mlp(inplace)
-        gm = KfacGradientMaker(model, PreconditioningConfig(damping=1e-2))
-        for _ in range(2):
-            step(gm, model, x, t)
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
-
-
-def test_cholesky_state_dict_resume_is_bit_exact():
-    model = wide_mlp()
-    cfg = PreconditioningConfig(ema_decay=0.9, damping=1e-2)  # interval 1: Cholesky
-    data = [batch((4, 6)) for _ in range(4)]
-    data = [(x * (1 + i), t) for i, (x, t) in enumerate(data)]
-    gm = KfacGradientMaker(model, cfg)
-    for x, t in data[:2]:
-        step(gm, model, x, t)
-    buf = io.BytesIO()
-    torch.save(gm.state_dict(), buf)
-    assert any(k.endswith("/cholesky") for k in gm.state_dict()["extra"]["inverses"])
-    model2 = copy.deepcopy(model)
-    for x, t in data[2:]:
-        step(gm, model, x, t)
-    buf.seek(0)
-    gm2 = KfacGradientMaker(model2, cfg)
-    gm2.load_state_dict(torch.load(buf))
-    assert gm2.inverses["2"]["cholesky"] is True
-    for x, t in data[2:]:
-        step(gm2, model2, x, t)
-    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
