@@ -11,7 +11,9 @@ same batches (128 examples):
   ``forward_and_backward`` or forward + backward, ``optimizer.step``) after a warm-up,
   and its ratio to the plain SGD step of the same model measured in the same run. The
   methods take turns, 10 steps each, so a load change on the machine hits them all
-  alike;
+  alike. With ``--repeats N`` the whole timing runs N times and **x SGD** is the
+  median of the N ratios, their range printed after the note (step ms and the
+  losses are those of the first run);
 * **steps to target** -- the first evaluation step (every ``--eval-every``) at which
   the loss on the whole training set reaches AdamW's loss after ``--steps`` steps
   (``-`` if never); **final loss** -- that loss at the end.
@@ -27,6 +29,7 @@ Usage::
     python benchmarks/precond.py                      # a few minutes
     python benchmarks/precond.py --full               # 500 steps
     python benchmarks/precond.py --models mlp --methods kfac,kfac_10,seng
+    python benchmarks/precond.py --models mlp --methods kfac,kfac_10 --repeats 5
     python benchmarks/precond.py --models mlp,cnn \
         --methods kfac,kfac_10,shampoo_10,asdl_kfac,asdl_kfac_10,asdl_shampoo_10
 
@@ -194,7 +197,16 @@ def main(argv=None):
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--full", action="store_true", help="500 steps everywhere")
     parser.add_argument("--out", default="benchmarks/precond_curves.png")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the timing this many times; x SGD is the median ratio, with "
+        "its range (a shared machine's speed drifts between runs)",
+    )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     torch.set_num_threads(1)
     steps = args.steps or (500 if args.full else 100)
     cnn_steps = args.cnn_steps or (500 if args.full else 40)
@@ -208,10 +220,21 @@ def main(argv=None):
         n_steps = cnn_steps if model_name == "cnn" else steps
         batches = _batches(x, y, n_steps, 128, seed=1)
         rows = run_all(methods, base, x, y, batches, args.eval_every)
+        # Repeats re-time every method from the same init (same curves: the
+        # training is deterministic); their ratios to SGD are pooled below.
+        ratios = {m: [] for m in methods}
+        for repeat in range(args.repeats):
+            again = (
+                rows
+                if repeat == 0
+                else run_all(methods, base, x, y, batches, args.eval_every)
+            )
+            for method, (median, _, _) in again.items():
+                if median is not None and again["sgd"][0]:
+                    ratios[method].append(median / again["sgd"][0])
         for method, row in rows.items():
             curves[(model_name, method)] = row[1]
         target = rows["adamw"][1][-1][1]
-        sgd_time = rows["sgd"][0]
         params = sum(p.numel() for p in base.parameters())
         print(
             f"\n{model_name}: {params} parameters, {n_steps} steps, batch 128, "
@@ -225,6 +248,9 @@ def main(argv=None):
             if median is None:
                 print(f"{method:<16}{'-':>9}{'-':>8}{'-':>17}{'-':>12}  {error}")
                 continue
+            pooled = sorted(ratios[method])
+            ratio = statistics.median(pooled)
+            spread = f" [{pooled[0]:.2f}-{pooled[-1]:.2f}]" if len(pooled) > 1 else ""
             hit = next((s for s, loss in curve if loss <= target), None)
             note = error or (
                 PRECOND_METHODS[method].note
@@ -234,9 +260,9 @@ def main(argv=None):
                 else ""
             )
             print(
-                f"{method:<16}{median * 1e3:>9.2f}{median / sgd_time:>8.2f}"
+                f"{method:<16}{median * 1e3:>9.2f}{ratio:>8.2f}"
                 f"{(str(hit) if hit is not None else '-'):>17}"
-                f"{curve[-1][1]:>12.4f}  {note}"
+                f"{curve[-1][1]:>12.4f}  {note}{spread}"
             )
     _plot(curves, Path(args.out))
 
