@@ -89,10 +89,10 @@ class GramInverse:
         self.scale = factor.scale
         self.damping = damping
         rows = _padded(factor.rows)
+        # In the rows' dtype first. If the Gram matrix is numerically indefinite
+        # there (damping tiny against the rows), the whole operator is rebuilt and
+        # kept in float64: a float32 solve against that factor would return noise.
         for dtype in dict.fromkeys((rows.dtype, torch.float64)):
-            # Numerically indefinite in float32 (damping tiny against the rows):
-            # the whole operator is kept in float64, where the solves stay exact
-            # too (a float32 solve against that factor would return noise).
             self.rows = rows.to(dtype)
             gram = self.rows @ self.rows.T
             gram.diagonal().add_(damping / self.scale)
