@@ -21,9 +21,26 @@ from leantrain.precond._gram import GramInverse, right_solve
 __all__ = [
     "inverse_state",
     "inverses_from_state",
+    "split_inverse",
     "write_factored",
     "write_operators",
 ]
+
+
+def split_inverse(a: Tensor, k: int) -> tuple[Tensor, ...]:
+    """``A^{-1}`` of a layer with ``k`` inputs and a bias, cut once into contiguous
+    pieces: ``(A^{-1}[:k, :k], A^{-1}[k, :k], A^{-1}[:k, k], A^{-1}[k, k])``.
+
+    The weight block as a strided view of the ``(k+1)``-wide inverse made every
+    step's matmuls slower, and the slicing itself cost a few calls a step; a
+    preconditioner is reused for ``preconditioner_interval`` steps.
+    """
+    return (
+        a[:k, :k].contiguous(),
+        a[k, :k].contiguous(),
+        a[:k, k].contiguous(),
+        a[k, k].clone(),
+    )
 
 
 def write_factored(
@@ -34,6 +51,7 @@ def write_factored(
     b: Tensor | None = None,
     *,
     cholesky: bool = False,
+    a_parts: tuple[Tensor, ...] | None = None,
 ) -> None:
     r"""``.grad`` of a Linear from its inputs ``x`` ``(N, J)`` and output-gradients
     ``e`` ``(N, R)``: ``(B^{-1} E^T)([X, 1] A^{-1})`` split into weight and bias, or
@@ -41,7 +59,8 @@ def write_factored(
     with ``G = E^T [X, 1]``
     (see :func:`~leantrain.precond._factored.factored_is_cheaper`).
     ``a`` and ``b`` are the damped inverses, or with ``cholesky`` their lower
-    Cholesky factors (applied by triangular solves).
+    Cholesky factors (applied by triangular solves). ``a_parts``: ``a`` already
+    cut by :func:`split_inverse` (layers with a bias), in ``x``'s dtype.
     """
     params = op.params
     dtype = params[0].dtype
@@ -58,14 +77,13 @@ def write_factored(
         bias = left @ right[:, k] if len(params) == 2 else None
         right = right[:, :k]
     else:
-        a, b = a.to(dtype), b.to(dtype)
-        left = b @ e.T  # (R, N)
+        left = b.to(dtype) @ e.T  # (R, N)
         if len(params) == 2:  # [X, 1] A^{-1} = X A^{-1}[:k] + 1 A^{-1}[k]
-            right = torch.addmm(a[k], x, a[:k])
-            bias = left @ right[:, k]
-            right = right[:, :k]
+            a_w, a_row, a_col, a_kk = a_parts or split_inverse(a.to(dtype), k)
+            right = torch.addmm(a_row, x, a_w)
+            bias = left @ torch.addmv(a_kk.expand(x.shape[0]), x, a_col)
         else:
-            right = x @ a
+            right = x @ a.to(dtype)
     params[0].grad = left @ right
     if len(params) == 2:
         params[1].grad = bias

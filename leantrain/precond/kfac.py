@@ -36,6 +36,7 @@ from leantrain.precond._gram import (
 from leantrain.precond._kfac_apply import (
     inverse_state,
     inverses_from_state,
+    split_inverse,
     write_factored,
     write_operators,
 )
@@ -283,8 +284,17 @@ class KfacGradientMaker(KronFactorMaker):
                 write_operators(self.ops[name], x, e, inv["A"][0], inv["B"][0])
                 continue
             cholesky = inv.get("cholesky", False)
+            parts = None
+            if not cholesky and len(self.ops[name].params) == 2:
+                parts = self._inverse_parts(inv, x.shape[1], x.dtype)
             write_factored(
-                self.ops[name], x, e, inv["A"][0], inv["B"][0], cholesky=cholesky
+                self.ops[name],
+                x,
+                e,
+                inv["A"][0],
+                inv["B"][0],
+                cholesky=cholesky,
+                a_parts=parts,
             )
         for name, inv in self.inverses.items():
             op = self.ops[name]
@@ -327,21 +337,31 @@ class KfacGradientMaker(KronFactorMaker):
         ):
             return False
         dtype = grads[0].dtype
-        a, b = inv["A"][0].to(dtype), inv["B"][0].to(dtype)
+        b = inv["B"][0].to(dtype)
         # A Conv2d's (out, in, kh, kw) weight is its (out, in*kh*kw) canonical matrix.
         gw = grads[0].reshape(grads[0].shape[0], -1)
         left = b @ gw  # B^-1 G_W
         if len(params) == 1:
-            grads[0].copy_((left @ a).view_as(grads[0]))
+            grads[0].copy_((left @ inv["A"][0].to(dtype)).view_as(grads[0]))
             return True
-        k = gw.shape[1]
+        a_w, a_row, a_col, a_kk = self._inverse_parts(inv, gw.shape[1], dtype)
         left_b = b @ grads[1]  # B^-1 g_b
         # [L, l_b] A^-1 = L A^-1[:k] + l_b A^-1[k]: weight columns, then bias column.
-        weight = torch.addr(torch.mm(left, a[:k, :k]), left_b, a[k, :k])
-        bias = torch.addmv(left_b * a[k, k], left, a[:k, k])
+        weight = torch.addr(torch.mm(left, a_w), left_b, a_row)
+        bias = torch.addmv(left_b * a_kk, left, a_col)
         grads[0].copy_(weight.view_as(grads[0]))  # in place: DDP may hold .grad
         grads[1].copy_(bias)
         return True
+
+    @staticmethod
+    def _inverse_parts(inv: dict[str, Any], k: int, dtype: torch.dtype) -> tuple:
+        """:func:`~leantrain.precond._kfac_apply.split_inverse` of the site's
+        ``A^{-1}``, cut once per preconditioner update (kept in ``inv``, which the
+        next update replaces; not saved by ``state_dict``)."""
+        key = ("parts", dtype)
+        if key not in inv:
+            inv[key] = split_inverse(inv["A"][0].to(dtype), k)
+        return inv[key]
 
     def _apply(self, inv: dict[str, Any], i: int, g: Tensor, lam: float) -> Tensor:
         """Preconditioned rows of site ``i``: two matmuls (four for ``"exact"``)."""
