@@ -44,6 +44,9 @@ class LinearCapture:
 
     def __init__(self, modules: dict[str, nn.Module], bias_column: bool = True) -> None:
         self.modules = modules
+        # Parameter lists fixed at construction, as the makers' ModuleOp.params are:
+        # walking module.parameters() twice a step cost more than the check itself.
+        self._params = {name: list(m.parameters()) for name, m in modules.items()}
         self.bias_column = bias_column  # K-FAC folds the bias into A; Shampoo not
         self.records: dict[str, tuple | None] = {}
         self._handles: list = []
@@ -88,6 +91,6 @@ class LinearCapture:
         for name, rec in self.records.items():
             if rec is None or rec[1]._version != rec[2]:
                 continue
-            if all(p.grad is None for p in self.modules[name].parameters()):
+            if all(p.grad is None for p in self._params[name]):
                 out[name] = (rec[0], rec[1])
         return out

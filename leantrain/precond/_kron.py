@@ -234,22 +234,30 @@ class KronFactorMaker(FisherMaker):
         with self._capture:
             output = self._call_model()
             loss = self._loss_from_output(output)
-        if not self._capture.usable():  # nothing to skip: exactly loss.backward()
+        usable = self._capture.usable()
+        if not usable:  # nothing to skip: exactly loss.backward()
             self._captured = {}
             loss.backward()
             return output, loss
         # Like the curvature pass, only the model's parameters receive gradient.
-        self._loss_grads(loss, [], retain_graph=False)
+        self._loss_grads(loss, [], retain_graph=False, captured=usable)
         return output, loss
 
     def _loss_grads(
-        self, loss: Tensor, extra: list[Tensor], *, retain_graph: bool
+        self,
+        loss: Tensor,
+        extra: list[Tensor],
+        *,
+        retain_graph: bool,
+        captured: dict | None = None,
     ) -> tuple:
         """Gradient of ``loss``: into ``.grad`` of the model's parameters, except
         the captured layers (their ``(X, E)`` go to :attr:`_captured`); returns the
-        gradients w.r.t. ``extra``."""
+        gradients w.r.t. ``extra``. ``captured``: the capture's usable layers when
+        the caller has just asked for them."""
         params = [p for p in unwrap_model(self.model).parameters() if p.requires_grad]
-        captured = self._capture.usable() if self._capturing() else {}
+        if captured is None:
+            captured = self._capture.usable() if self._capturing() else {}
         skip = {id(p) for name in captured for p in self.ops[name].params}
         params = [p for p in params if id(p) not in skip]
         outputs = [out for _, out in captured.values()]
