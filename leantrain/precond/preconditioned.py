@@ -44,7 +44,7 @@ def all_finite(tensors: list[Tensor]) -> bool:
     sums = [
         t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum() for t in tensors
     ]
-    return bool(torch.stack([x.double() for x in sums]).isfinite().all())
+    return bool(torch.stack([x.isfinite() for x in sums]).all())
 
 
 def _check_preconditionable(name: str, module: nn.Module) -> None:
