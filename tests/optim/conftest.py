@@ -1,4 +1,5 @@
-"""Shared helpers for the optimizer tests: a small MLP, data, and a train loop."""
+"""Shared helpers for the optimizer tests: a small MLP, data, a train loop, and the
+``backend`` fixture (the fused step on the C kernel and on the PyTorch fallback)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+
+from leantrain.optim import _fused, _native
 
 
 def make_mlp(sizes=(12, 32, 32, 5), seed: int = 0, dtype=torch.float32) -> nn.Module:
@@ -75,3 +78,17 @@ def kit() -> SimpleNamespace:
         max_diff=max_diff,
         clone=copy.deepcopy,
     )
+
+
+@pytest.fixture(params=["c", "torch"])
+def backend(request, monkeypatch):
+    """Runs a test on the C kernel and on the PyTorch fallback."""
+    if request.param == "torch":
+        monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    else:
+        monkeypatch.delenv("LEANTRAIN_NO_NATIVE", raising=False)
+        if _native.compiler() is None:
+            pytest.skip("no C compiler on this machine: only the fallback can run")
+        assert _fused.backend() == "c", _native.status()
+    assert _fused.backend() == request.param
+    return request.param
