@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fused import HYPER, backend, codebook, copy_state, random_state  # noqa: F401
+from _fused_helpers import HYPER, codebook, copy_state, random_state
 
 from leantrain.optim import _cabi, _native
 from leantrain.optim._fused_many import StepItem, step_many
