@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from leantrain.precond.curv import damped_cholesky
+from leantrain.precond.curv.linalg import cholesky_padding
 
 __all__ = [
     "CholeskyInverse",
@@ -40,6 +41,7 @@ __all__ = [
     "as_dense",
     "factor_inverse",
     "right_solve",
+    "trace_mean",
 ]
 
 
@@ -124,16 +126,14 @@ class GramInverse:
         return out[: self.n_rows]
 
 
-# oneMKL's Cholesky of an n x n matrix with n a multiple of 128 runs 2-4x slower
-# than of a slightly larger one (curv/linalg.py); zero rows appended to Z leave
-# Z^T Z, and every product below, unchanged and move the Gram matrix off that size.
-_PAD_MULTIPLE, _PAD = 128, 8
-
-
 def _padded(rows: Tensor) -> Tensor:
-    if rows.device.type != "cpu" or len(rows) % _PAD_MULTIPLE:
+    """``rows`` with zero rows appended where the Gram matrix's size would hit
+    oneMKL's slow Cholesky sizes (``curv.linalg.cholesky_padding``): zero rows leave
+    ``Z^T Z``, and every product here, unchanged."""
+    pad = cholesky_padding(len(rows), rows.device)
+    if not pad:
         return rows
-    return torch.cat([rows, rows.new_zeros(_PAD, rows.shape[1])])
+    return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
 
 
 class CholeskyInverse:
@@ -149,6 +149,13 @@ class CholeskyInverse:
     def left(self, m: Tensor) -> Tensor:
         """``(F + λ I)^{-1} m`` for ``m`` of shape ``(d, k)``."""
         return right_solve(m.mT, self.cholesky).mT
+
+
+def trace_mean(factor: LowRankFactor | Tensor) -> float:
+    """``tr(F) / d`` of a factor, low-rank (without forming it) or dense."""
+    if isinstance(factor, LowRankFactor):
+        return factor.trace_mean()
+    return float(factor.diagonal(dim1=-2, dim2=-1).sum()) / factor.shape[-1]
 
 
 def as_dense(factor: LowRankFactor | Tensor) -> Tensor:

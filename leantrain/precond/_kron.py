@@ -135,13 +135,8 @@ class _PassCollector(CurvatureCollector):
             if not calls or not grads:
                 continue  # no forward, or no gradient reached the module
             op = self.ops[name]
-            inputs = [f["a"][0] for f, _ in calls]  # (N, T, J) per call
-            inputs = op._augmented(
-                inputs[0] if len(inputs) == 1 else torch.cat(inputs, 1)
-            )
-            out[name]["A"] = [
-                LowRankFactor(inputs.reshape(-1, inputs.shape[-1]), 1.0 / len(inputs))
-            ]
+            n = calls[0][0]["a"][0].shape[0]  # examples: A = rows^T rows / N
+            out[name]["A"] = [LowRankFactor(op.input_rows(calls), 1.0 / n)]
             rows = grads[0] if len(grads) == 1 else torch.cat(grads)
             out[name]["B"] = [LowRankFactor(rows, 1.0)]
             out[name]["rows"] = op.site_rows(calls)

@@ -32,6 +32,7 @@ from leantrain.precond._gram import (
     as_dense,
     factor_inverse,
     right_solve,
+    trace_mean,
 )
 from leantrain.precond._kfac_apply import (
     inverse_state,
@@ -257,13 +258,7 @@ class KfacGradientMaker(KronFactorMaker):
         inv: dict[str, Any] = {"A": [], "B": [], "operators": True}
         for a, b in zip(f["A"], f["B"], strict=True):
             if self.damping_mode == "pi":
-                mean_a, mean_b = (
-                    x.trace_mean()
-                    if isinstance(x, LowRankFactor)
-                    else float(x.diagonal().sum()) / x.shape[-1]
-                    for x in (a, b)
-                )
-                damp_a, damp_b = pi_split(mean_a, mean_b, lam)
+                damp_a, damp_b = pi_split(trace_mean(a), trace_mean(b), lam)
             else:
                 damp_a = damp_b = math.sqrt(lam)
             inv["A"].append(factor_inverse(a, damp_a))

@@ -38,6 +38,14 @@ def symmetrize(matrix: torch.Tensor) -> torch.Tensor:
 _PAD_MULTIPLE, _PAD = 128, 8
 
 
+def cholesky_padding(n: int, device: torch.device) -> int:
+    """Rows/columns of identity to append before factoring an ``n x n`` matrix on
+    ``device``: 8 for CPU sizes that are multiples of 128 (see above), else 0."""
+    if device.type != "cpu" or n < _PAD_MULTIPLE or n % _PAD_MULTIPLE:
+        return 0
+    return _PAD
+
+
 def cholesky_ex(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.linalg.cholesky_ex`` (lower factor, info), faster on CPU for sizes
     that are multiples of 128: those are factored inside an identity-padded
@@ -45,9 +53,10 @@ def cholesky_ex(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the factor of ``matrix`` (same arithmetic on the same entries; the padding adds
     only zeros). Batched; ``info`` as torch's (the pad never fails)."""
     n = matrix.shape[-1]
-    if matrix.device.type != "cpu" or n < _PAD_MULTIPLE or n % _PAD_MULTIPLE:
+    pad = cholesky_padding(n, matrix.device)
+    if not pad:
         return torch.linalg.cholesky_ex(matrix)
-    padded = matrix.new_zeros(*matrix.shape[:-2], n + _PAD, n + _PAD)
+    padded = matrix.new_zeros(*matrix.shape[:-2], n + pad, n + pad)
     padded[..., :n, :n] = matrix
     padded[..., n:, n:].diagonal(dim1=-2, dim2=-1).fill_(1)
     factor, info = torch.linalg.cholesky_ex(padded)

@@ -152,11 +152,15 @@ class LinearFormOp(ModuleOp):
     def kron_a(self, calls: list) -> list[torch.Tensor]:
         """Input factors ``A = sum_{n,t} ã ã^T / N`` per site (ã with a trailing 1)."""
         n = calls[0][0]["a"][0].shape[0]
-        factors = []
-        for s in range(len(calls[0][0]["a"])):
-            a = self._augmented(_cat([f["a"][s] for f, _ in calls], 1))
-            factors.append(gram(a.reshape(-1, a.shape[-1])).div_(n))
-        return factors
+        return [
+            gram(self.input_rows(calls, s)).div_(n)
+            for s in range(len(calls[0][0]["a"]))
+        ]
+
+    def input_rows(self, calls: list, site: int = 0) -> torch.Tensor:
+        """The ``(N·T, U)`` rows ã of site ``site``'s ``A`` (before ``/ N``)."""
+        a = self._augmented(_cat([f["a"][site] for f, _ in calls], 1))
+        return a.reshape(-1, a.shape[-1])
 
     def kron_b(self, data: list[Site]) -> list[torch.Tensor]:
         """Output factor increments ``sum_{n,t} e e^T`` per site for this pass."""
