@@ -1,0 +1,150 @@
+"""Gefen's validation loss against AdamW over several seeds, with a noise control.
+
+One run of ``leantrain compare`` compares two single trajectories. On the default GPT
+run (200 steps, lr 2e-3) the validation loss at the last step depends on when the
+model leaves its early plateau (train loss ~2.9), and that moment moves with any
+perturbation of the trajectory: AdamW itself with ``eps=1e-7`` instead of 1e-8
+scores 0.91x-1.015x of AdamW over seeds 0-7, with 3% less learning rate up to 1.06x.
+A 1% claim needs more than one seed, and a yardstick for what "the same optimizer"
+scores.
+
+For each seed (initialisation and data order), every variant trains from the same
+initial weights on the same batches as AdamW (``leantrain.compare``'s tasks), and
+its validation loss is divided by AdamW's of that seed. The table prints each
+seed's ratio, then the geometric mean over seeds with a 95% interval (t
+distribution on the log ratios). The controls are AdamW variants that should not
+matter: ``adamw-eps`` (eps 1e-7) and ``adamw-lr`` (lr x 0.97). Where a control's
+interval is wider than 1%, one run cannot resolve a 1% difference either.
+
+Run: ``python benchmarks/gefen_seeds.py --model gpt --seeds 0-7`` (2 threads: about
+45 s per GPT seed for AdamW and the four default variants, 6 minutes in all; the MLP
+and CNN take seconds per seed). ``--variants`` takes ``adamw-eps``, ``adamw-lr`` and
+``benchmarks/gefen_quality.py``'s ``BITS:PARTITION`` specs (``8:auto`` is Gefen
+8-bit). Results: docs/benchmarks.md, "Gefen — quality over seeds".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gefen_quality import make_optimizer  # noqa: E402
+
+from leantrain import compare  # noqa: E402
+from leantrain.cli import build_parser  # noqa: E402
+
+DEFAULT_VARIANTS = "adamw-eps,adamw-lr,8:auto,4:auto"
+# Two-sided 95% Student t quantiles by degrees of freedom (n - 1 seeds).
+T95 = {
+    1: 12.71,
+    2: 4.30,
+    3: 3.18,
+    4: 2.78,
+    5: 2.57,
+    6: 2.45,
+    7: 2.36,
+    8: 2.31,
+    9: 2.26,
+    10: 2.23,
+    11: 2.20,
+    12: 2.18,
+    13: 2.16,
+    14: 2.14,
+    15: 2.13,
+}
+
+
+def control(spec: str, params, lr: float) -> torch.optim.Optimizer:
+    """An AdamW that should score like AdamW (the noise yardstick)."""
+    if spec == "adamw-eps":
+        return torch.optim.AdamW(params, lr=lr, eps=1e-7)
+    if spec == "adamw-lr":
+        return torch.optim.AdamW(params, lr=0.97 * lr)
+    raise ValueError(f"unknown control {spec!r}; known: adamw-eps, adamw-lr")
+
+
+def register(spec: str) -> str:
+    """Add ``spec`` to ``compare.OPTIMIZERS`` (under its own name) and return it."""
+    if spec.startswith("adamw-"):
+        control(spec, [torch.zeros(1, requires_grad=True)], 1e-3)  # validate now
+        compare.OPTIMIZERS[spec] = lambda params, lr: control(spec, params, lr)
+        return spec
+    make_optimizer(spec, torch.nn.Linear(1, 1), 1e-3)  # validate now
+
+    def build(params, lr):
+        holder = torch.nn.Module()
+        holder.params = torch.nn.ParameterList(params)
+        return make_optimizer(spec, holder, lr)
+
+    compare.OPTIMIZERS[spec] = build
+    return spec
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0-7"`` or ``"0,3,5"`` -> a list of seeds."""
+    if "-" in text:
+        low, high = (int(x) for x in text.split("-"))
+        if high < low:
+            raise ValueError(f"--seeds {text!r}: the range is empty")
+        return list(range(low, high + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def summary(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of ``ratios`` and its 95% interval (t on the log ratios)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), math.nan, math.nan
+    half = T95.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt", choices=sorted(compare.TASKS))
+    parser.add_argument("--seeds", default="0-7")
+    parser.add_argument("--steps", type=int, default=None, help="default: compare's")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    seeds = parse_seeds(args.seeds)
+    variants = [register(v) for v in args.variants.split(",") if v]
+    torch.set_num_threads(args.threads)
+    ratios: dict[str, list[float]] = {v: [] for v in variants}
+    rows = []
+    for seed in tqdm(seeds, desc="seeds"):
+        cli = ["compare", "--model", args.model, "--seed", str(seed)]
+        cli += ["--steps", str(args.steps)] if args.steps else []
+        run = build_parser().parse_args(cli)
+        task = compare.resolve_defaults(run).build(run)
+        losses = {}
+        for name in ["adamw", *variants]:
+            result = compare.train_one(task, name, run.steps, run.lr, lambda _: None)
+            losses[name] = result.val_loss
+        seed_ratios = [losses[v] / losses["adamw"] for v in variants]
+        for v, ratio in zip(variants, seed_ratios, strict=True):
+            ratios[v].append(ratio)
+        rows.append((seed, losses["adamw"], seed_ratios))
+    print(
+        f"\n{args.model}: {run.steps} steps, lr {run.lr}, batch {run.batch_size}; "
+        "validation loss as a ratio to AdamW of the same seed"
+    )
+    print(f"{'seed':>5s} {'AdamW':>8s} " + " ".join(f"{v:>10s}" for v in variants))
+    for seed, base, rs in rows:
+        print(f"{seed:5d} {base:8.4f} " + " ".join(f"{r:10.3f}" for r in rs))
+    print(f"\n{'variant':>10s} {'geo-mean':>9s} {'95% interval':>17s}")
+    for v in variants:
+        mean, low, high = summary(ratios[v])
+        print(f"{v:>10s} {mean:9.3f}   [{low:.3f}, {high:.3f}]")
+
+
+if __name__ == "__main__":
+    main()
