@@ -4,6 +4,7 @@ parameters and the native build's cache (the step itself: test_fused.py)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -125,6 +126,16 @@ def test_native_build_is_cached_and_optional(tmp_path, monkeypatch):
     monkeypatch.setattr(_native, "_tried", False)
     monkeypatch.setattr(_native, "compiler", lambda: None)
     assert _fused.backend() == "torch" and "no C compiler" in _native.status()
+
+
+def test_every_included_kernel_header_is_in_the_cache_key():
+    """A header a source includes but HEADERS forgets would not be hashed: editing
+    it would load a stale library."""
+    included = set()
+    for name in _native.SOURCES + _native.HEADERS:
+        text = (_native.KERNEL_DIR / name).read_text()
+        included |= set(re.findall(r'#include "([^"]+)"', text))
+    assert included == set(_native.HEADERS)
 
 
 def test_native_cache_key_covers_every_source_and_header(tmp_path, monkeypatch):

@@ -274,38 +274,7 @@ static void lt_block(void *param, const void *grad, float *restrict v,
   }
 }
 
-/* One parameter's step: its tensors, layout and per-step scalars. */
-typedef struct {
-  void *param;
-  const void *grad;
-  float *v;        /* exp_avg_sq */
-  float *absmax;   /* exp_avg_absmax (codes only) */
-  uint8_t *codes;  /* exp_avg_codes (codes only) */
-  float *exp_avg;  /* fp32 momentum (bits 0 only) */
-  int64_t n, period, block;
-  int32_t bits, unused;
-  const lt_quantizer *q;
-  const lt_hyper *h;
-  const lt_io *io;
-} lt_job;
-
-/* 0, or a negative number naming the invalid argument. */
-static int lt_check_job(const lt_job *j) {
-  if (j->n < 0 || j->period < 1 || j->block < 1) return -1;
-  if (j->bits != 0 && j->bits != 4 && j->bits != 8) return -2;
-  if (j->period != j->block && j->period != 1) return -3;
-  const lt_quantizer *q = j->q;
-  if (j->bits != 0 && (q == 0 || q->ncodes != (1 << j->bits) || q->nuniq < 1 ||
-                       q->nuniq > q->ncodes || q->ncell < 1))
-    return -4;
-  if (j->io == 0 || j->h == 0) return -7;
-  return 0;
-}
-
-typedef struct { /* derived once per job */
-  int64_t nblocks, unit, nunits, grab, chunk;
-  int32_t zero;
-} lt_plan;
+#include "gefen_job.h" /* lt_job, its check, lt_plan: after lt_hyper */
 
 /* One step of `count` parameters in one parallel region: threads take grabs of
    ~16K elements (whole blocks, pairs of blocks when 4-bit codes of an odd block
