@@ -14,6 +14,11 @@ same batches (128 examples):
   alike. With ``--repeats N`` the whole timing runs N times and **x SGD** is the
   median of the N ratios, their range printed after the note (step ms and the
   losses are those of the first run);
+* **mean x** -- the mean step time over the same steps, as a ratio to SGD's mean
+  (with ``--repeats``, the median of those ratios). For a method that updates its
+  curvature every k steps the median step is one that only applies the stored
+  preconditioner; the mean also carries the curvature and inversion steps, which
+  is what a training run pays on average;
 * **steps to target** -- the first evaluation step (every ``--eval-every``) at which
   the loss on the whole training set reaches AdamW's loss after ``--steps`` steps
   (``-`` if never); **final loss** -- that loss at the end.
@@ -172,6 +177,12 @@ class Run:
             return None
         return statistics.median(self.times[min(5, len(self.times) - 1) :])
 
+    def mean(self):
+        """Mean step time after the same warm-up (``None``: no step ran)."""
+        if not self.times:
+            return None
+        return statistics.fmean(self.times[min(5, len(self.times) - 1) :])
+
 
 def run_all(methods, base, x, y, batches, eval_every, chunk=10):
     """Train every method on the same batches, ``chunk`` steps of each in turn.
@@ -185,7 +196,7 @@ def run_all(methods, base, x, y, batches, eval_every, chunk=10):
         for run in runs.values():
             for step in range(start + 1, min(len(batches), start + chunk) + 1):
                 run.step(step, batches[step - 1], step == len(batches))
-    return {m: (r.median(), r.curve, r.error) for m, r in runs.items()}
+    return {m: (r.median(), r.mean(), r.curve, r.error) for m, r in runs.items()}
 
 
 def main(argv=None):
@@ -223,33 +234,38 @@ def main(argv=None):
         # Repeats re-time every method from the same init (same curves: the
         # training is deterministic); their ratios to SGD are pooled below.
         ratios = {m: [] for m in methods}
+        mean_ratios = {m: [] for m in methods}
         for repeat in range(args.repeats):
             again = (
                 rows
                 if repeat == 0
                 else run_all(methods, base, x, y, batches, args.eval_every)
             )
-            for method, (median, _, _) in again.items():
+            for method, (median, mean, _, _) in again.items():
                 if median is not None and again["sgd"][0]:
                     ratios[method].append(median / again["sgd"][0])
+                    mean_ratios[method].append(mean / again["sgd"][1])
         for method, row in rows.items():
-            curves[(model_name, method)] = row[1]
-        target = rows["adamw"][1][-1][1]
+            curves[(model_name, method)] = row[2]
+        target = rows["adamw"][2][-1][1]
         params = sum(p.numel() for p in base.parameters())
         print(
             f"\n{model_name}: {params} parameters, {n_steps} steps, batch 128, "
             f"target = AdamW's loss after {n_steps} steps = {target:.4f}"
         )
         print(
-            f"{'method':<16}{'step ms':>9}{'x SGD':>8}{'steps to target':>17}"
-            f"{'final loss':>12}  note"
+            f"{'method':<16}{'step ms':>9}{'x SGD':>8}{'mean x':>8}"
+            f"{'steps to target':>17}{'final loss':>12}  note"
         )
-        for method, (median, curve, error) in rows.items():
+        for method, (median, _, curve, error) in rows.items():
             if median is None:
-                print(f"{method:<16}{'-':>9}{'-':>8}{'-':>17}{'-':>12}  {error}")
+                print(
+                    f"{method:<16}{'-':>9}{'-':>8}{'-':>8}{'-':>17}{'-':>12}  {error}"
+                )
                 continue
             pooled = sorted(ratios[method])
             ratio = statistics.median(pooled)
+            mean_ratio = statistics.median(mean_ratios[method])
             spread = f" [{pooled[0]:.2f}-{pooled[-1]:.2f}]" if len(pooled) > 1 else ""
             hit = next((s for s, loss in curve if loss <= target), None)
             note = error or (
@@ -260,7 +276,7 @@ def main(argv=None):
                 else ""
             )
             print(
-                f"{method:<16}{median * 1e3:>9.2f}{ratio:>8.2f}"
+                f"{method:<16}{median * 1e3:>9.2f}{ratio:>8.2f}{mean_ratio:>8.2f}"
                 f"{(str(hit) if hit is not None else '-'):>17}"
                 f"{curve[-1][1]:>12.4f}  {note}{spread}"
             )
