@@ -107,17 +107,8 @@ def summary(ratios: list[float]) -> tuple[float, float, float]:
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt", choices=sorted(compare.TASKS))
-    parser.add_argument("--seeds", default="0-7")
-    parser.add_argument("--steps", type=int, default=None, help="default: compare's")
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
-    seeds = parse_seeds(args.seeds)
-    variants = [register(v) for v in args.variants.split(",") if v]
-    torch.set_num_threads(args.threads)
+def _study(args: argparse.Namespace, seeds: list[int], variants: list[str]):
+    """Train AdamW and every variant for each seed; the ratios to AdamW."""
     ratios: dict[str, list[float]] = {v: [] for v in variants}
     rows = []
     for seed in tqdm(seeds, desc="seeds"):
@@ -133,6 +124,29 @@ def main(argv: list[str] | None = None) -> None:
         for v, ratio in zip(variants, seed_ratios, strict=True):
             ratios[v].append(ratio)
         rows.append((seed, losses["adamw"], seed_ratios))
+    return run, rows, ratios
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt", choices=sorted(compare.TASKS))
+    parser.add_argument("--seeds", default="0-7")
+    parser.add_argument("--steps", type=int, default=None, help="default: compare's")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    seeds = parse_seeds(args.seeds)
+    # The variants join compare's registry and the thread count is set for this
+    # run only: both are put back, so a caller (a test) sees no change.
+    saved, threads = dict(compare.OPTIMIZERS), torch.get_num_threads()
+    try:
+        variants = [register(v) for v in args.variants.split(",") if v]
+        torch.set_num_threads(args.threads)
+        run, rows, ratios = _study(args, seeds, variants)
+    finally:
+        compare.OPTIMIZERS.clear()
+        compare.OPTIMIZERS.update(saved)
+        torch.set_num_threads(threads)
     print(
         f"\n{args.model}: {run.steps} steps, lr {run.lr}, batch {run.batch_size}; "
         "validation loss as a ratio to AdamW of the same seed"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +54,9 @@ def test_unknown_variant_is_refused(seeds_module):
 
 
 def test_short_run_prints_every_seed_and_the_summary(seeds_module, capsys):
+    from leantrain import compare
+
+    registry, threads = dict(compare.OPTIMIZERS), torch.get_num_threads()
     seeds_module.main(
         [
             "--model",
@@ -78,3 +82,5 @@ def test_short_run_prints_every_seed_and_the_summary(seeds_module, capsys):
         assert eps_ratio == pytest.approx(1.0, abs=1e-2)
         assert math.isfinite(gefen_ratio) and gefen_ratio > 0
     assert "geo-mean" in out and "8:auto" in out
+    # the study leaves compare's registry and the thread count as it found them
+    assert compare.OPTIMIZERS == registry and torch.get_num_threads() == threads
