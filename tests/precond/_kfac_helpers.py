@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import torch
 import torch.nn.functional as F
@@ -47,3 +48,31 @@ def factor_dampings(a, b, lam, mode):
         pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
         return pi * lam**0.5, lam**0.5 / pi
     return lam**0.5, lam**0.5
+
+
+def assert_resume_bit_exact(
+    make_gm, model, data, step_fn=step, *, split=2, on_save=None, on_load=None
+):
+    """Train ``make_gm(model)`` on ``data[:split]``, save its ``state_dict`` (through
+    ``torch.save``), go on with ``data[split:]``; a new maker on a copy of the model
+    taken at the save, loaded from those bytes, must then give the same gradients
+    bit for bit. ``on_save(state_dict)`` / ``on_load(maker)`` add checks."""
+    gm = make_gm(model)
+    for x, t in data[:split]:
+        step_fn(gm, model, x, t)
+    buf = io.BytesIO()
+    torch.save(gm.state_dict(), buf)
+    if on_save is not None:
+        on_save(gm.state_dict())
+    model2 = copy.deepcopy(model)
+    for x, t in data[split:]:
+        step_fn(gm, model, x, t)
+    buf.seek(0)
+    gm2 = make_gm(model2)
+    gm2.load_state_dict(torch.load(buf))
+    if on_load is not None:
+        on_load(gm2)
+    for x, t in data[split:]:
+        step_fn(gm2, model2, x, t)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _kfac_helpers import assert_resume_bit_exact
 from _kron_reference import canonical_grad, kron_factors, per_example_grads
 from torch import nn
 
@@ -121,19 +121,6 @@ def test_state_dict_resume_is_bit_exact():
         curvature_interval=1, preconditioner_interval=2, ema_decay=0.9, damping=1e-2
     )
     data = [batch(seed=s) for s in range(5)]
-    model = mlp()
-    gm = EkfacGradientMaker(model, cfg)
-    for x, t in data[:2]:
-        step(gm, model, x, t)
-    buf = io.BytesIO()
-    torch.save(gm.state_dict(), buf)
-    model2 = copy.deepcopy(model)
-    for x, t in data[2:]:
-        step(gm, model, x, t)
-    buf.seek(0)
-    gm2 = EkfacGradientMaker(model2, cfg)
-    gm2.load_state_dict(torch.load(buf))
-    for x, t in data[2:]:
-        step(gm2, model2, x, t)
-    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
+    assert_resume_bit_exact(
+        lambda m: EkfacGradientMaker(m, cfg), mlp(), data, step_fn=step
+    )
