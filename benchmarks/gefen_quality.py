@@ -7,7 +7,8 @@ tensors), and prints the validation loss of each as a ratio to AdamW's (same run
 
 Run: ``python benchmarks/gefen_quality.py`` (200 steps, lr 2e-3, about 2 minutes per
 variant on one idle core); ``--variants adamw,fp32:auto,8:auto`` picks variants,
-``BITS:PARTITION[:1d-element]``, BITS in fp32/8/4, PARTITION auto/element/tensor/INT.
+``BITS:PARTITION[:1d-element][:nearest|:stochastic]``, BITS in fp32/8/4, PARTITION
+auto/element/tensor/INT; the last suffix sets ``momentum_rounding`` (default "auto").
 """
 
 from __future__ import annotations
@@ -38,14 +39,19 @@ def make_optimizer(
     bits, partition, *extra = spec.split(":")
     bits = None if bits == "fp32" else int(bits)
     partition = int(partition) if partition.isdigit() else partition
+    options = {"lr": lr, "momentum_bits": bits, "partition": partition}
+    for rounding in ("nearest", "stochastic"):
+        if rounding in extra:
+            extra.remove(rounding)
+            options["momentum_rounding"] = rounding
     if extra == ["1d-element"]:
         one = [p for p in model.parameters() if p.ndim == 1]
         rest = [p for p in model.parameters() if p.ndim != 1]
         groups = [{"params": one, "partition": "element"}, {"params": rest}]
-        return Gefen(groups, lr=lr, momentum_bits=bits, partition=partition)
+        return Gefen(groups, **options)
     if extra:
         raise ValueError(f"unknown variant suffix {extra!r} in {spec!r}")
-    return Gefen(model.parameters(), lr=lr, momentum_bits=bits, partition=partition)
+    return Gefen(model.parameters(), **options)
 
 
 def main() -> None:

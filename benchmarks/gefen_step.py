@@ -9,7 +9,8 @@ default step and to ``AdamW(fused=True)``, and the peak extra memory
 during the step, for
 
 * torch AdamW, default (on CPU: the single-tensor loop) and ``fused=True``;
-* Gefen's fused C kernel, 8-bit and 4-bit codes and fp32 momentum, and 8-bit with
+* Gefen's fused C kernel, 8-bit and 4-bit codes (nearest, and stochastic: the
+  4-bit default) and fp32 momentum, and 8-bit with
   a bf16 parameter and gradient (stochastic rounding, the bf16 default);
 * Gefen's chunked PyTorch fallback (8-bit), and the reference step (8-bit).
 
@@ -115,6 +116,12 @@ def gefen_case(numel: int, period: int, bits: int | None, step_fn, dtype=torch.f
     return step
 
 
+def stochastic_codes_step(param, grad, state, **hyper):
+    """The fused step with 4-bit codes rounded stochastically (Gefen's default for
+    4-bit momentum, ``momentum_rounding="auto"``)."""
+    _fused.fused_step(param, grad, state, **hyper, stochastic_codes=True, seed=1)
+
+
 def torch_fallback(param, grad, state, **hyper):
     """The PyTorch fallback, forced even where the kernel could run."""
     state["step"] += 1
@@ -190,7 +197,16 @@ def main() -> None:
         ("torch AdamW (default)", lambda: adamw_case(n, False), False),
         ("torch AdamW (fused=True)", lambda: adamw_case(n, True), False),
         ("Gefen fused C, 8-bit", lambda: gefen_case(n, p, 8, _fused.fused_step), False),
-        ("Gefen fused C, 4-bit", lambda: gefen_case(n, p, 4, _fused.fused_step), False),
+        (
+            "Gefen fused C, 4-bit, nearest",
+            lambda: gefen_case(n, p, 4, _fused.fused_step),
+            False,
+        ),
+        (
+            "Gefen fused C, 4-bit, stochastic codes",
+            lambda: gefen_case(n, p, 4, stochastic_codes_step),
+            False,
+        ),
         (
             "Gefen fused C, fp32 m",
             lambda: gefen_case(n, p, None, _fused.fused_step),

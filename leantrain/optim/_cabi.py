@@ -43,6 +43,10 @@ class _Io(ctypes.Structure):
         ("packed", ctypes.c_int32),
         ("stochastic", ctypes.c_int32),
         ("key", ctypes.c_uint64),
+        ("code_sr", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+        ("code_key", ctypes.c_uint64),
+        ("index0", ctypes.c_int64),
     ]
 
 
@@ -135,6 +139,8 @@ def c_job(
     stochastic: bool,
     key: int,
     interned: dict,
+    code_key: int | None = None,
+    index0: int = 0,
 ) -> _Job:
     """The kernel's description of one parameter's step (tensors already checked
     by :func:`_c_problem` and ``state_layout``). Its scalars live in ``interned``
@@ -151,6 +157,10 @@ def c_job(
         bits == 4 and packed_codes(param, state),
         bool(stochastic) and param.dtype == torch.bfloat16,
         key & 0xFFFFFFFFFFFFFFFF,
+        code_key is not None and bits == 4,
+        0,
+        (code_key or 0) & 0xFFFFFFFFFFFFFFFF,
+        index0,
     )
     io = interned.get(("io", io_fields))
     if io is None:

@@ -97,6 +97,9 @@ def check_group(group: dict) -> None:
         group["lr"], group["betas"], group["eps"], group["weight_decay"]
     )
     check_momentum_bits(group["momentum_bits"])
+    from .code_rounding import resolved  # checks momentum_rounding against the bits
+
+    resolved(group.get("momentum_rounding", "auto"), group["momentum_bits"])
     check_partition(group["partition"])
     if not isinstance(group["maximize"], bool):
         raise TypeError(f"maximize must be a bool, got {group['maximize']!r}")

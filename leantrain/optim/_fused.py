@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import _cabi, _native
 from ._torch_step import state_layout, torch_step
+from .code_rounding import code_key
 from .precision import default_stochastic, rounding_key
 
 # Sub-chunk of the C kernel (None: its largest, 16384 elements); tests lower it to
@@ -102,6 +103,8 @@ def c_step(
     layout: tuple[int, int, int] | None = None,
     stochastic: bool = False,
     key: int = 0,
+    code_key: int | None = None,
+    index0: int = 0,
     lib: ctypes.CDLL | None = None,
     checked: bool = False,
 ) -> None:
@@ -109,7 +112,9 @@ def c_step(
 
     ``param`` and ``grad`` are fp32 or bf16 (each on its own); a bf16 parameter is
     written back rounded to nearest, or stochastically (``stochastic``, keyed by
-    ``key``; see :mod:`leantrain.optim.precision`). ``lib`` is the loaded library
+    ``key``; see :mod:`leantrain.optim.precision`); with ``code_key`` its 4-bit codes
+    are rounded stochastically (:mod:`.code_rounding`); ``index0`` is the global
+    flat index of its first element (a shard's offset). ``lib`` is the loaded library
     (default: :func:`_native.load`); ``checked`` says the caller already had
     :func:`_c_problem` accept these tensors (``fused_step``: one check per step).
 
@@ -144,6 +149,8 @@ def c_step(
         stochastic=stochastic,
         key=key,
         interned=interned,
+        code_key=code_key,
+        index0=index0,
     )
     threads = threads or (torch.get_num_threads() if n >= _THREAD_MIN else 1)
     _cabi.launch(lib, [job], chunk, threads)
@@ -178,13 +185,16 @@ def check_step(
     state: dict,
     stochastic_rounding: bool | None,
     seed: object,
-) -> tuple[tuple[int, int, int], bool] | None:
+    stochastic_codes: bool = False,
+) -> tuple[tuple[int, int, int], bool, bool] | None:
     """The checks of one parameter's step, before anything changes: its state
-    layout ``(period, block, bits)`` and whether it rounds stochastically, or None
-    for an empty parameter (nothing to do).
+    layout ``(period, block, bits)``, whether it rounds the parameter
+    stochastically and whether its codes, or None for an empty parameter (nothing
+    to do).
 
     Raises:
-        ValueError: grad and param differ in size, or the state does not fit.
+        ValueError: grad and param differ in size, the state does not fit, or
+            ``stochastic_codes`` with 8-bit codes.
         TypeError: a bad ``stochastic_rounding`` or a ``seed`` that is not an int.
     """
     n = param.numel()
@@ -196,7 +206,11 @@ def check_step(
     stochastic = default_stochastic(param.dtype, stochastic_rounding)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-    return layout, stochastic
+    if stochastic_codes and layout[2] == 8:
+        raise ValueError(
+            "stochastic_codes needs 4-bit codes; this state holds 8-bit codes"
+        )
+    return layout, stochastic, bool(stochastic_codes) and layout[2] == 4
 
 
 @torch.no_grad()
@@ -213,6 +227,8 @@ def fused_step(
     maximize: bool,
     stochastic_rounding: bool | None = None,
     seed: int = 0,
+    stochastic_codes: bool = False,
+    index0: int = 0,
 ) -> None:
     """Applies one Gefen step to ``param`` in place; same contract as
     ``_step.reference_step`` (same arguments, same state, same result to fp32
@@ -232,6 +248,11 @@ def fused_step(
         seed: identifies the parameter's random stream; give every parameter its
             own (e.g. a base seed plus its index in the optimizer) and keep it
             across a checkpoint.
+        stochastic_codes: round 4-bit codes stochastically
+            (:mod:`leantrain.optim.code_rounding`, keyed by ``code_key(seed, step)``)
+            as ``reference_step`` does with the same arguments.
+        index0: the global flat index of ``param``'s first element, when it is a
+            shard of a larger parameter: the counter of both roundings' hashes.
 
     Raises:
         ValueError: grad and param differ in size, or the state's tensors do not fit
@@ -249,12 +270,15 @@ def fused_step(
         >>> torch.allclose(p, torch.full((6,), 0.9))
         True
     """
-    checked = check_step(param, grad, state, stochastic_rounding, seed)
+    checked = check_step(
+        param, grad, state, stochastic_rounding, seed, stochastic_codes
+    )
     if checked is None:
         return
-    layout, stochastic = checked
+    layout, stochastic, codes_sr = checked
     state["step"] += 1
     key = rounding_key(seed, int(state["step"])) if stochastic else 0
+    ckey = code_key(seed, int(state["step"])) if codes_sr else None
     hyper = hyperparameters(
         float(state["step"]),
         lr=lr,
@@ -274,8 +298,19 @@ def fused_step(
             layout=layout,
             stochastic=stochastic,
             key=key,
+            code_key=ckey,
+            index0=index0,
             lib=lib,
             checked=True,
         )
     else:
-        torch_step(param, grad, state, hyper, stochastic=stochastic, key=key)
+        torch_step(
+            param,
+            grad,
+            state,
+            hyper,
+            stochastic=stochastic,
+            key=key,
+            code_key=ckey,
+            index0=index0,
+        )

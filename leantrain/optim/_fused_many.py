@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _cabi, _fused, _native
+from .code_rounding import code_key
 from .precision import rounding_key
 
 
@@ -36,6 +37,8 @@ class StepItem:
     maximize: bool
     stochastic_rounding: bool | None = None
     seed: int = 0
+    stochastic_codes: bool = False
+    index0: int = 0  # global flat index of the first element (a shard's offset)
 
     def options(self) -> dict:
         """The hyperparameters as ``fused_step`` and ``hyperparameters`` take them."""
@@ -59,6 +62,8 @@ class StepItem:
             **self.options(),
             stochastic_rounding=self.stochastic_rounding,
             seed=self.seed,
+            stochastic_codes=self.stochastic_codes,
+            index0=self.index0,
         )
 
 
@@ -74,18 +79,22 @@ def step_many(items: Sequence[StepItem]) -> None:
         MemoryError: the kernel's buffers do not fit (nothing changed).
     """
     lib = _native.load()
-    native: list[tuple[StepItem, tuple[int, int, int], bool]] = []
+    native: list[tuple[StepItem, tuple[int, int, int], bool, bool]] = []
     others: list[StepItem] = []
     for item in items:
         param, grad, state = item.param, item.grad, item.state
         checked = _fused.check_step(
-            param, grad, state, item.stochastic_rounding, item.seed
+            param,
+            grad,
+            state,
+            item.stochastic_rounding,
+            item.seed,
+            item.stochastic_codes,
         )
         if checked is None:  # an empty parameter
             continue
-        layout, stochastic = checked
         if lib is not None and _fused._c_problem(param, grad, state) is None:
-            native.append((item, layout, stochastic))
+            native.append((item, *checked))
         else:
             others.append(item)
     if native:
@@ -94,10 +103,12 @@ def step_many(items: Sequence[StepItem]) -> None:
         item.one_step()
 
 
-def _launch_all(lib, native: list[tuple[StepItem, tuple[int, int, int], bool]]) -> None:
+def _launch_all(
+    lib, native: list[tuple[StepItem, tuple[int, int, int], bool, bool]]
+) -> None:
     """One kernel call for every checked item; their steps advance after it."""
     jobs, interned = [], {}  # interned: the jobs' scalars, alive until launch returns
-    for item, layout, stochastic in native:
+    for item, layout, stochastic, codes_sr in native:
         step = float(item.state["step"]) + 1
         key = rounding_key(item.seed, int(step)) if stochastic else 0
         jobs.append(
@@ -110,11 +121,13 @@ def _launch_all(lib, native: list[tuple[StepItem, tuple[int, int, int], bool]]) 
                 stochastic=stochastic,
                 key=key,
                 interned=interned,
+                code_key=code_key(item.seed, int(step)) if codes_sr else None,
+                index0=item.index0,
             )
         )
-    total = sum(item.param.numel() for item, _, _ in native)
+    total = sum(item.param.numel() for item, *_ in native)
     threads = torch.get_num_threads() if total >= _fused._THREAD_MIN else 1
     max_chunk = _cabi.checked_library(lib)
     _cabi.launch(lib, jobs, _fused.C_CHUNK or max_chunk, threads)
-    for item, _, _ in native:
+    for item, *_ in native:
         item.state["step"] += 1

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import code_rounding
 from ._step import nearest_code
 from .quant import pack_nibbles, unpack_nibbles
 
@@ -144,8 +145,12 @@ def finish_step(
     beta2: float,
     eps: float,
     weight_decay: float,
+    stochastic_codes: bool = False,
+    seed: int = 0,
 ) -> None:
-    """Second half of a step, with ``sq`` and ``amax`` reduced over the ranks."""
+    """Second half of a step, with ``sq`` and ``amax`` reduced over the ranks
+    (``stochastic_codes``, ``seed``: as for ``_step.reference_step``; a span's
+    elements draw the bits of their global indices)."""
     state["step"] += 1
     n = g.numel()
     if n == 0:
@@ -173,7 +178,19 @@ def finish_step(
         scale = torch.where(amax > 0, amax, torch.ones_like(amax))
         head = span.start % qblock
         u = (padded_rows(m, span, qblock) / scale[:, None]).view(-1)
-        codes = nearest_code(codebook)(u[head : head + n])
+        u = u[head : head + n]
+        codes = nearest_code(codebook)(u)
+        if stochastic_codes and codebook.numel() == 16:
+            key = code_rounding.code_key(seed, int(state["step"]))
+            r = code_rounding.uniform(key, span.start, n, device=u.device)
+            each = (
+                padded_rows(torch.zeros(n, device=u.device), span, qblock)
+                + amax[:, None]
+            )
+            positive = each.view(-1)[head : head + n] > 0
+            codes = torch.where(
+                positive, code_rounding.stochastic_codes(u, codebook, r), codes
+            )
         packed = pack_nibbles(codes) if codebook.numel() == 16 else codes
         state["exp_avg_codes"].copy_(packed)  # the update uses the exact m
     denom = (v.sqrt() / bc2_sqrt).add_(eps)

@@ -22,8 +22,10 @@ import math
 import torch
 from torch import Tensor
 
+from . import code_rounding
 from .quant import (
     NearestCode,
+    block_absmax,
     block_mean_square,
     dequantize_blockwise,
     pack_nibbles,
@@ -89,9 +91,19 @@ def _store_momentum(
     qblock: int,
     codebook: Tensor,
     nearest: NearestCode,
+    key: int | None = None,
 ) -> None:
-    """Quantizes ``m`` into the state for elements [start, end)."""
+    """Quantizes ``m`` into the state for elements [start, end): to the nearest
+    code, or stochastically with the uniforms of ``key`` (``code_rounding``)."""
     codes, absmax = quantize_blockwise(m, qblock, nearest)
+    if key is not None:
+        # an all-zero block keeps the code nearest 0, as with nearest rounding
+        amax = per_element(block_absmax(m, qblock), qblock, end - start)
+        u = m / torch.where(amax > 0, amax, torch.ones_like(amax))
+        r = code_rounding.uniform(key, start, end - start, device=m.device)
+        codes = torch.where(
+            amax > 0, code_rounding.stochastic_codes(u, codebook, r), codes
+        )
     state["exp_avg_absmax"][start // qblock : math.ceil(end / qblock)] = absmax
     if codebook.numel() == 16:
         state["exp_avg_codes"][start // 2 : math.ceil(end / 2)] = pack_nibbles(codes)
@@ -111,6 +123,8 @@ def reference_step(
     eps: float,
     weight_decay: float,
     maximize: bool,
+    stochastic_codes: bool = False,
+    seed: int = 0,
 ) -> None:
     r"""Applies one Gefen step to ``param`` in place and advances ``state``.
 
@@ -125,6 +139,10 @@ def reference_step(
         eps: added to the bias-corrected :math:`\sqrt{v}`.
         weight_decay: decoupled weight decay (``param *= 1 - lr * weight_decay``).
         maximize: ascend instead of descend (g = -grad).
+        stochastic_codes: store 4-bit codes with stochastic rounding
+            (:mod:`leantrain.optim.code_rounding`) instead of the nearest code.
+        seed: the parameter's random stream (its index in the optimizer), keying
+            ``code_key(seed, step)``.
 
     Example:
         >>> import torch
@@ -151,6 +169,9 @@ def reference_step(
         nearest = nearest_code(codebook)
     else:
         qblock = period
+    key = None
+    if stochastic_codes and codebook is not None and codebook.numel() == 16:
+        key = code_rounding.code_key(seed, int(state["step"]))
     # Row-major flattening of the logical layout; a non-contiguous parameter is
     # updated in a contiguous copy and written back once at the end.
     flat_param = param.view(-1) if param.is_contiguous() else param.reshape(-1).clone()
@@ -178,7 +199,7 @@ def reference_step(
             m.lerp_(g, 1 - beta1)
             # Only what is stored is quantized: this step uses the exact new m
             # (docs/gefen.md, "The update uses the exact momentum").
-            _store_momentum(state, m, start, end, qblock, codebook, nearest)
+            _store_momentum(state, m, start, end, qblock, codebook, nearest, key)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         w32.addcdiv_(m, per_element(denom, period, end - start), value=-step_size)
         if w32 is not w:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import _dist
+from . import _dist, code_rounding
 from ._sharded import begin_step, finish_step
 
 
@@ -35,10 +35,11 @@ def straddle_layout(state: dict, param: Tensor, cache: dict) -> tuple | None:
 
 def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> None:
     """Steps sharded parameters whose blocks straddle ranks (``items``: group,
-    parameter, its ``straddle_layout``): local halves around one SUM and one MAX
-    all_reduce for all of them together. ``states``: the optimizer's state."""
+    parameter, its ``straddle_layout``, its rounding seed): local halves around one
+    SUM and one MAX all_reduce for all of them together. ``states``: the
+    optimizer's state."""
     sums, maxes, begun = _dist.SharedReduce(), _dist.SharedReduce(), []
-    for group, param, (span, shared_v, shared_q) in items:
+    for group, param, (span, shared_v, shared_q), _ in items:
         state = states[param]
         g, sq, m, amax = begin_step(
             param.grad.to_local(),
@@ -54,10 +55,13 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
     process_group = _dist.group_of(items[0][1])
     sums.run("sum", process_group)
     maxes.run("max", process_group)
-    for (group, param, (span, _, _)), (g, sq, m, amax) in zip(
+    for (group, param, (span, _, _), seed), (g, sq, m, amax) in zip(
         items, begun, strict=True
     ):
         beta1, beta2 = group["betas"]
+        stochastic = code_rounding.resolved(
+            group.get("momentum_rounding", "auto"), group["momentum_bits"]
+        )
         finish_step(
             param.to_local(),
             states[param],
@@ -71,4 +75,6 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
             beta2=float(beta2),
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
+            stochastic_codes=stochastic,
+            seed=seed,
         )

@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import code_rounding
 from ._quant_table import QuantTable, nearest_index, quant_table
 from .precision import round_to
 
@@ -148,10 +149,21 @@ def _momentum(
     return torch.lerp(old, g, w1)
 
 
-def _quantize(m: Tensor, amax: Tensor, table: QuantTable) -> Tensor:
-    """Codes of m, one absmax per element (0: the code of 0)."""
+def _quantize(
+    m: Tensor, amax: Tensor, table: QuantTable, r: Tensor | None = None
+) -> Tensor:
+    """Codes of m, one absmax per element (0: the code of 0); nearest, or rounded
+    stochastically with the uniforms ``r`` (:mod:`.code_rounding`)."""
     x = torch.where(amax > 0, m / amax, torch.zeros_like(m))
-    return table.first[nearest_index(x, table)]
+    index = nearest_index(x, table)
+    if r is not None:
+        # the same comparisons as code_rounding.stochastic_codes, on the table
+        above = torch.zeros_like(index)
+        gaps = table.uniq[1:] - table.uniq[:-1]
+        for j in range(gaps.numel()):
+            above += (x - table.uniq[j]) > (r * gaps[j])
+        index = torch.where(amax > 0, above, index)
+    return table.first[index]
 
 
 def _ema(v: Tensor, x: Tensor, h: dict) -> None:
@@ -176,8 +188,10 @@ def _chunk(
     bits: int,
     table: QuantTable | None,
     h: dict[str, float],
+    r: Tensor | None = None,
 ) -> None:
-    """One chunk of whole blocks: the full update in one pass."""
+    """One chunk of whole blocks: the full update in one pass (``r``: the code
+    rounding's uniforms of the chunk, or None for nearest codes)."""
     length = end - start
     sq = g * g
     if period == 1:
@@ -201,7 +215,7 @@ def _chunk(
         padded[:length] = m.abs()
         amax = padded.view(nb, block).amax(1)
         state["exp_avg_absmax"][start // block : start // block + nb] = amax
-        codes = _quantize(m, _per_element(amax, block, length), table)
+        codes = _quantize(m, _per_element(amax, block, length), table, r)
         write_codes(state["exp_avg_codes"], start, end, codes, bits)
     else:
         state["exp_avg"].view(-1)[start:end] = m
@@ -223,8 +237,11 @@ def _big_block(
     h: dict[str, float],
     chunk: int,
     sign: float,
+    uniforms=None,
 ) -> None:
-    """One block longer than a chunk: stats over sub-chunks, then the update."""
+    """One block longer than a chunk: stats over sub-chunks, then the update
+    (``uniforms(s, e)``: the code rounding's uniforms of elements [s, e), or None
+    for nearest codes)."""
     b = start // block
     total, amax = 0.0, 0.0
     for s in range(start, end, chunk):
@@ -244,7 +261,8 @@ def _big_block(
         g = grad[s:e].float() * sign
         m = _momentum(g, state, s, e, block, bits, table, h["w1"])
         if bits:
-            codes = _quantize(m, amax_t.expand_as(m), table)
+            r = uniforms(s, e) if uniforms is not None else None
+            codes = _quantize(m, amax_t.expand_as(m), table, r)
             write_codes(state["exp_avg_codes"], s, e, codes, bits)
         else:
             state["exp_avg"].view(-1)[s:e] = m
@@ -269,13 +287,13 @@ def chunk_function(device: torch.device):
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk, dynamic=True)
 
-    def compiled(param32, g, state, start, end, period, block, bits, table, h):
+    def compiled(param32, g, state, start, end, period, block, bits, table, h, r=None):
         # The per-step scalars (bias corrections change every step) go in as 0-dim
         # tensors: as Python floats they would be baked in and recompile each step.
         h = {
             k: torch.tensor(x, dtype=torch.float32, device=device) for k, x in h.items()
         }
-        _compiled_chunk(param32, g, state, start, end, period, block, bits, table, h)
+        _compiled_chunk(param32, g, state, start, end, period, block, bits, table, h, r)
 
     return compiled
 
@@ -288,12 +306,17 @@ def torch_step(
     *,
     stochastic: bool = False,
     key: int = 0,
+    code_key: int | None = None,
+    index0: int = 0,
 ) -> None:
     """The chunked PyTorch step (``state['step']`` already advanced).
 
     A bf16/fp16 parameter is updated in fp32 per chunk and written back rounded to
     nearest, or with ``stochastic`` rounding keyed by ``key``
-    (:mod:`leantrain.optim.precision`; element i draws the bits of its flat index).
+    (:mod:`leantrain.optim.precision`; element i draws the bits of its flat index
+    ``index0 + i``: a shard's offset in the global parameter). With ``code_key``
+    the 4-bit codes are rounded stochastically (:mod:`.code_rounding`), drawing the
+    same way.
     """
     period, block, bits = state_layout(param, state)
     table = quant_table(state["codebook"]) if bits else None
@@ -317,8 +340,17 @@ def torch_step(
     def write_back(w: Tensor, w32: Tensor, start: int) -> None:
         if w32 is not w:
             w.copy_(
-                round_to(w32, w.dtype, stochastic=stochastic, seed=key, offset=start)
+                round_to(
+                    w32, w.dtype, stochastic=stochastic, seed=key, offset=index0 + start
+                )
             )
+
+    def uniforms(start: int, end: int) -> Tensor | None:
+        if code_key is None:
+            return None
+        return code_rounding.uniform(
+            code_key, index0 + start, end - start, device=param.device
+        )
 
     if block > TORCH_CHUNK:
         for start in range(0, n, block):
@@ -338,6 +370,7 @@ def torch_step(
                 h,
                 TORCH_CHUNK,
                 sign,
+                uniforms if code_key is not None else None,
             )
             write_back(w, w32, start)
     else:
@@ -348,7 +381,8 @@ def torch_step(
             g = flat_grad[start:end].float() * sign
             w = flat[start:end]
             w32 = w if w.dtype == torch.float32 else w.float()
-            chunk_fn(w32, g, state, start, end, period, block, bits, table, h)
+            r = uniforms(start, end)
+            chunk_fn(w32, g, state, start, end, period, block, bits, table, h, r)
             write_back(w, w32, start)
     if not param.is_contiguous():
         param.copy_(flat.view(param.shape))

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from . import _checks, _dist
+from . import _checks, _dist, code_rounding
 from . import _reducible_partition as _partition
 from ._fused_many import StepItem, step_many
 from ._sharded import local_histogram, new_local_state, partial_absmax
@@ -66,6 +66,14 @@ def block_period(partition: int | str, param: Tensor) -> int:
     return period
 
 
+def _stochastic_codes(group: dict) -> bool:
+    """Whether a group's codes are rounded stochastically (a group loaded from a
+    checkpoint older than the option has none: "auto")."""
+    return code_rounding.resolved(
+        group.get("momentum_rounding", "auto"), group["momentum_bits"]
+    )
+
+
 class Gefen(Optimizer):
     r"""AdamW with a block-shared second moment and a codebook-quantized momentum.
 
@@ -95,6 +103,13 @@ class Gefen(Optimizer):
             come from a counter-based hash of the parameter's index in the optimizer,
             the step and the element index, so a resumed run rounds identically.
             May be set per param group; no effect on fp32 parameters.
+        momentum_rounding: how the stored momentum is rounded to its codes:
+            "nearest" (the nearest code), "stochastic" (one of the two neighbouring
+            codes, with the probabilities that keep the stored momentum unbiased;
+            4-bit codes only) or "auto" (stochastic for 4-bit codes, nearest for
+            8-bit ones). The random bits are keyed like ``stochastic_rounding``'s,
+            on a stream of their own. May be set per param group; no effect on fp32
+            momentum. See docs/gefen.md.
 
     Raises:
         ValueError: an invalid hyper-parameter, naming the value.
@@ -125,9 +140,11 @@ class Gefen(Optimizer):
         maximize: bool = False,
         nonfinite: str = "skip",
         stochastic_rounding: bool | None = None,
+        momentum_rounding: str = "auto",
     ) -> None:
         _checks.check_hyperparameters(lr, betas, eps, weight_decay)
         _checks.check_momentum_bits(momentum_bits)
+        code_rounding.resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
         _checks.check_nonfinite(nonfinite)
         if stochastic_rounding not in (None, True, False):
@@ -144,6 +161,7 @@ class Gefen(Optimizer):
             "partition": partition,
             "maximize": maximize,
             "stochastic_rounding": stochastic_rounding,
+            "momentum_rounding": momentum_rounding,
         }
         self.nonfinite = nonfinite
         self.nonfinite_steps = 0
@@ -318,9 +336,10 @@ class Gefen(Optimizer):
         }
         items, layouts = [], self.__dict__.setdefault("_layouts", {})
         for group, param, _ in active:
+            seed = position[id(param)]
             layout = straddle_layout(self.state[param], param, layouts)
             if layout is not None:
-                straddling.append((group, param, layout))
+                straddling.append((group, param, layout, seed))
                 continue
             beta1, beta2 = group["betas"]
             items.append(
@@ -335,7 +354,9 @@ class Gefen(Optimizer):
                     weight_decay=float(group["weight_decay"]),
                     maximize=group["maximize"],
                     stochastic_rounding=group.get("stochastic_rounding"),
-                    seed=position[id(param)],
+                    seed=seed,
+                    stochastic_codes=_stochastic_codes(group),
+                    index0=_dist.my_span(param).start if _dist.is_sharded(param) else 0,
                 )
             )
         step_many(items)  # one kernel call for all of them

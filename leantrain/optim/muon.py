@@ -315,6 +315,12 @@ class GefenMuon(Optimizer):
                 )
         self._init_states(active)
         nearest: dict[int, NearestCode] = {}  # one quantizer per codebook per step
+        # As in Gefen: a parameter's position keys its rounding streams, and the
+        # AdamW side rounds 4-bit codes stochastically (Gefen's "auto").
+        position = {
+            id(p): i
+            for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+        }
         for group, param, _ in active:
             state = self.state[param]
             if not group["use_muon"]:
@@ -329,6 +335,8 @@ class GefenMuon(Optimizer):
                     eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]),
                     maximize=False,
+                    seed=position[id(param)],
+                    stochastic_codes=group["momentum_bits"] == 4,
                 )
                 continue
             codebook = state.get("codebook")

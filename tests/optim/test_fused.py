@@ -285,7 +285,7 @@ def test_gefen_trains_the_same_with_the_fused_step(backend, bits):
         losses.append(float(loss.detach()))
         refs = []
         if step > 0:  # the first step builds the state
-            for p in model.parameters():
+            for seed, p in enumerate(model.parameters()):
                 st = copy_state(opt.state[p])
                 q = p.detach().clone()
                 reference_step(
@@ -298,6 +298,10 @@ def test_gefen_trains_the_same_with_the_fused_step(backend, bits):
                     eps=1e-8,
                     weight_decay=0.01,
                     maximize=False,
+                    # momentum_rounding="auto": 4-bit codes stochastically, each
+                    # parameter on the stream of its index in the optimizer
+                    stochastic_codes=bits == 4,
+                    seed=seed,
                 )
                 refs.append((q, st))
         opt.step()

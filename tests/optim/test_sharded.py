@@ -30,7 +30,7 @@ from leantrain.optim._state import new_state, qblock_for
 from leantrain.optim._step import reference_step
 from leantrain.optim.codebook import histogram, learn_codebook
 from leantrain.optim.partition import choose_period
-from leantrain.optim.quant import block_absmax
+from leantrain.optim.quant import block_absmax, unpack_nibbles
 
 HYPER = {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
 
@@ -39,8 +39,9 @@ def spans_of(cuts: list[int], n: int) -> list[Span]:
     return [Span(a, b, n) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-def simulated_step(flat, grad, states, spans, period, qblock):
-    """One step on every simulated rank around a global SUM / MAX of partials."""
+def simulated_step(flat, grad, states, spans, period, qblock, **rounding):
+    """One step on every simulated rank around a global SUM / MAX of partials
+    (``rounding``: finish_step's stochastic_codes and seed)."""
     begun = [
         begin_step(grad[s.start : s.stop], state, s, beta1=0.9, maximize=False)
         for s, state in zip(spans, states, strict=True)
@@ -67,6 +68,7 @@ def simulated_step(flat, grad, states, spans, period, qblock):
             m,
             reduced,
             **HYPER,
+            **rounding,
         )
 
 
@@ -98,6 +100,39 @@ def test_sharded_step_matches_reference(bits, period):
             torch.testing.assert_close(
                 state["exp_avg_sq"], ref_state["exp_avg_sq"][b0:b1], rtol=1e-6, atol=0
             )
+    torch.testing.assert_close(flat.view(shape), ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("period", [1, 7, 130])
+def test_sharded_stochastic_codes_match_reference(period):
+    """4-bit codes rounded stochastically: every rank draws its elements' global
+    bits, so the concatenated shards hold the reference's codes."""
+    torch.manual_seed(period)
+    shape, n = (13, 10), 130
+    spans = spans_of([0, 40, 41, 90, 90, 130], n)
+    qblock = qblock_for(period)
+    g0 = torch.randn(shape)
+    codebook = learn_codebook(histogram(g0, qblock), 16).float()
+    ref = torch.randn(shape)
+    flat = ref.clone().reshape(-1)
+    ref_state = new_state(ref, period, 4, codebook)
+    states = [
+        new_local_state(flat[s.start : s.stop], s, period, 4, codebook) for s in spans
+    ]
+    rounding = {"stochastic_codes": True, "seed": 3}
+    for it in range(6):
+        grad = g0 if it == 0 else torch.randn(shape)
+        reference_step(ref, grad, ref_state, maximize=False, **HYPER, **rounding)
+        simulated_step(
+            flat, grad.reshape(-1), states, spans, period, qblock, **rounding
+        )
+        codes = torch.cat(
+            [
+                unpack_nibbles(st["exp_avg_codes"], s.stop - s.start)
+                for s, st in zip(spans, states, strict=True)
+            ]
+        )
+        assert torch.equal(codes, unpack_nibbles(ref_state["exp_avg_codes"], n))
     torch.testing.assert_close(flat.view(shape), ref, rtol=1e-6, atol=1e-7)
 
 

@@ -37,6 +37,8 @@
 #include <immintrin.h>
 #endif
 
+#include "gefen_io.h" /* lt_hash: the stochastic code rounding's random bits */
+
 #if defined(__GNUC__) && !defined(__clang__)
 #define LT_SCALAR __attribute__((optimize("no-tree-vectorize")))
 #else
@@ -262,6 +264,73 @@ static void lt_lookup16(const lt_quantizer *q, const float *restrict m, float am
 #pragma GCC unroll 16
     for (int j = 0; j < 15; j++) c = x > mid[j] ? first[j + 1] : c;
     code[k] = (uint8_t)c;
+  }
+}
+
+/* 4-bit codes rounded stochastically (leantrain/optim/code_rounding.py, the
+   reference: the same bits). With the distinct values u_j, gaps d_j = u_{j+1} - u_j
+   and a uniform r in [0, 1) per element (the top 24 bits of lt_hash of its global
+   index i0 + k, on the code key), the value index is
+   k = #{j : (x - u_j) > r * d_j}: every value below x's interval counts, none above
+   it, and its lower end with probability (x - u_i) / d_i, so the stored value is x
+   on average. Two separate fp32 operations per comparison (no multiply-add), as in
+   torch. u_j = +inf, d_j = 0 past the last gap never count. `r` is a buffer of len
+   floats. */
+static void lt_lookup16_sr(const lt_quantizer *q, const float *restrict m, float amax,
+                           int64_t len, uint64_t i0, uint64_t key, float *restrict r,
+                           uint8_t *restrict code) {
+  float u[15], d[15];
+  int32_t first[16];
+  for (int j = 0; j < 16; j++) first[j] = q->first[j < q->nuniq ? j : q->nuniq - 1];
+  for (int j = 0; j < 15; j++) {
+    const int in = j < q->nuniq - 1;
+    u[j] = in ? q->codebook[first[j]] : INFINITY;
+    d[j] = in ? q->codebook[first[j + 1]] - u[j] : 0.0f;
+  }
+  for (int64_t k = 0; k < len; k++)
+    r[k] = (float)(lt_hash(i0 + (uint64_t)k, key) >> 8) * 0x1p-24f;
+  int64_t k = 0;
+#ifdef __AVX512F__
+  {
+    const __m512 am = _mm512_set1_ps(amax);
+    const __m512i f = _mm512_loadu_si512(first), one = _mm512_set1_epi32(1);
+    for (; k + 16 <= len; k += 16) {
+      const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), am);
+      const __m512 rr = _mm512_loadu_ps(r + k);
+      __m512i cnt = _mm512_setzero_si512();
+      for (int j = 0; j < 15; j++) {
+        const __m512 t = _mm512_sub_ps(x, _mm512_set1_ps(u[j]));
+        const __m512 s = _mm512_mul_ps(rr, _mm512_set1_ps(d[j]));
+        cnt = _mm512_mask_add_epi32(cnt, _mm512_cmp_ps_mask(t, s, _CMP_GT_OQ), cnt, one);
+      }
+      _mm_storeu_si128((__m128i *)(code + k),
+                       _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(cnt, f)));
+    }
+  }
+#endif
+#ifdef __AVX2__
+  const __m256 am = _mm256_set1_ps(amax);
+  const __m256 f_lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)first));
+  const __m256 f_hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(first + 8)));
+  for (; k + 8 <= len; k += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(m + k), am);
+    const __m256 rr = _mm256_loadu_ps(r + k);
+    __m256i cnt = _mm256_setzero_si256();
+    for (int j = 0; j < 15; j++) { /* a true compare is -1: subtract it */
+      const __m256 t = _mm256_sub_ps(x, _mm256_set1_ps(u[j]));
+      const __m256 s = _mm256_mul_ps(rr, _mm256_set1_ps(d[j]));
+      cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(t, s, _CMP_GT_OQ)));
+    }
+    const __m256i c = _mm256_castps_si256(lt_take16(f_lo, f_hi, cnt));
+    const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)(code + k), _mm_packus_epi16(c16, c16));
+  }
+#endif
+  for (; k < len; k++) {
+    const float x = m[k] / amax, rr = r[k];
+    int32_t c = 0;
+    for (int j = 0; j < 15; j++) c += (x - u[j]) > rr * d[j];
+    code[k] = (uint8_t)first[c];
   }
 }
 

@@ -14,6 +14,11 @@ typedef struct {
   int32_t packed;     /* 4-bit codes two per byte (else one code per byte) */
   int32_t stochastic; /* bf16 parameter written with stochastic rounding */
   uint64_t key;       /* the rounding key (leantrain.optim.precision) */
+  int32_t code_sr;    /* 4-bit codes rounded stochastically (code_rounding.py) */
+  int32_t unused;
+  uint64_t code_key;  /* their key (code_rounding.code_key) */
+  int64_t index0;     /* global flat index of element 0 (a shard's offset): the
+                         hash counter of both roundings */
 } lt_io;
 
 /* ---- bf16 <-> fp32 and rounding (see leantrain/optim/precision.py) ---- */
@@ -40,6 +45,12 @@ static inline uint32_t lt_fmix32(uint32_t x) {
   x *= 0xc2b2ae35u;
   x ^= x >> 16;
   return x;
+}
+
+/* The counter-based hash of both roundings: 32 random bits of global element i. */
+static inline uint32_t lt_hash(uint64_t i, uint64_t key) {
+  const uint32_t k_lo = (uint32_t)key, k_hi = (uint32_t)(key >> 32);
+  return lt_fmix32(lt_fmix32((uint32_t)i ^ k_lo) ^ (uint32_t)(i >> 32) ^ k_hi);
 }
 
 /* Stochastic rounding of f to bf16 with 32 random bits r: away from zero iff
@@ -72,12 +83,9 @@ static void lt_store_bf16(uint16_t *restrict dst, const float *restrict src, int
     for (int64_t k = 0; k < len; k++) h[k] = lt_float_to_bf16(src[k]);
     return;
   }
-  const uint32_t k_lo = (uint32_t)io->key, k_hi = (uint32_t)(io->key >> 32);
-  for (int64_t k = 0; k < len; k++) {
-    const uint64_t i = (uint64_t)(a + k);
-    const uint32_t r = lt_fmix32(lt_fmix32((uint32_t)i ^ k_lo) ^ (uint32_t)(i >> 32) ^ k_hi);
-    h[k] = lt_float_to_bf16_sr(src[k], r);
-  }
+  const uint64_t i0 = (uint64_t)(io->index0 + a);
+  for (int64_t k = 0; k < len; k++)
+    h[k] = lt_float_to_bf16_sr(src[k], lt_hash(i0 + (uint64_t)k, io->key));
 }
 
 #endif /* LT_GEFEN_IO_H */

@@ -1,0 +1,105 @@
+r"""Stochastic rounding of momentum codes: the stored 4-bit momentum stays unbiased.
+
+Nearest-code quantization of the momentum is biased towards the codes: a value
+between two codes always lands on the nearer one, and with 16 codes the distance is
+large, so small components of m are stored as 0 step after step and the stored
+momentum drifts from the exact one. **Stochastic rounding** stores the lower or the
+upper neighbour with the probabilities that make the stored value exact on average:
+:math:`E[\mathrm{code}(x)] = x` (docs/gefen.md, "4-bit momentum: stochastic code
+rounding").
+
+**The rule.** Let :math:`u_0 < \dots < u_{U-1}` be the codebook's distinct values and
+:math:`d_j = u_{j+1} - u_j` (fp32). An fp32 value ``x`` in [-1, 1] (a momentum
+component divided by its block's absmax) with a uniform ``r`` in [0, 1) gets the value
+index
+
+.. math:: k = \#\{\, j < U-1 : \mathrm{fl}(x - u_j) > \mathrm{fl}(r \cdot d_j) \,\}
+
+and the stored code is the lowest code holding :math:`u_k`. Every :math:`u_j` below
+x's interval counts (``fl(r d) < d`` for ``r < 1``), none above it does, and the
+interval's own lower value counts with probability :math:`(x - u_i)/d_i` (up to fp32
+rounding). A value equal to a code keeps that code exactly (``x - u_i = 0`` is never
+``> r d_i``), so the block's absmax element stays :math:`\pm 1`. The two products
+are separate fp32 operations with no multiply-add to fuse, so this module, the
+PyTorch fallback (compiled or not) and the C kernel give the same bits.
+
+**The random bits.** ``r`` is the top 24 bits of the same counter-based hash as the
+bf16 parameter rounding (:func:`leantrain.optim.precision.random_bits`) of the
+element's flat index in the (global) parameter, on a key of its own,
+:func:`code_key` (so the two streams are independent): deterministic given the
+parameter's seed and the step, so a resumed run continues bit-exactly, whatever the
+thread count, chunking, device or sharding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .precision import _splitmix64, random_bits, rounding_key
+
+__all__ = ["MOMENTUM_ROUNDINGS", "code_key", "stochastic_codes", "uniform"]
+
+# Gefen's ``momentum_rounding`` option: "auto" is stochastic for 4-bit codes and
+# nearest for 8-bit ones (docs/gefen.md says why).
+MOMENTUM_ROUNDINGS = ("auto", "nearest", "stochastic")
+# Separates the code stream from the parameter-rounding stream of the same key.
+_CODE_STREAM = 0xC0DE5EED5A17ED01
+
+
+def code_key(seed: int, step: int) -> int:
+    """The 64-bit key of one parameter's code rounding at one step (``seed`` and
+    ``step`` as for :func:`~leantrain.optim.precision.rounding_key`)."""
+    return _splitmix64(rounding_key(seed, step) ^ _CODE_STREAM)
+
+
+def uniform(key: int, start: int, count: int, device=None) -> Tensor:
+    """fp32 ``r`` in [0, 1) of elements ``start .. start + count - 1``: the top 24
+    bits of their hash, times :math:`2^{-24}` (exact in fp32)."""
+    bits = random_bits(key, start, count, device=device)
+    return (bits >> 8).to(torch.float32).mul_(2.0**-24)
+
+
+def resolved(rounding: str, bits: int | None) -> bool:
+    """Whether a group's ``momentum_rounding`` means stochastic codes for ``bits``.
+
+    Raises:
+        ValueError: ``rounding`` is not one of :data:`MOMENTUM_ROUNDINGS`, or it is
+            "stochastic" with 8-bit codes (not implemented: the kernel's 8-bit lookup
+            finds the nearest code only).
+    """
+    if rounding not in MOMENTUM_ROUNDINGS:
+        raise ValueError(
+            f"Invalid momentum_rounding: {rounding!r}; allowed: 'auto', 'nearest' "
+            "or 'stochastic'"
+        )
+    if rounding == "stochastic" and bits == 8:
+        raise ValueError(
+            "momentum_rounding='stochastic' needs momentum_bits=4 (8-bit codes are "
+            "rounded to nearest); got momentum_bits=8"
+        )
+    return bits == 4 and rounding != "nearest"
+
+
+def stochastic_codes(x: Tensor, codebook: Tensor, r: Tensor) -> Tensor:
+    """Codes (uint8, x's shape) of fp32 values ``x`` in [-1, 1] rounded
+    stochastically with uniforms ``r`` (same shape), by the rule in the module
+    docstring. The slow, obvious reference: one comparison per distinct code.
+
+    Example:
+        >>> cb = torch.tensor([-1.0, 0.0, 1.0])
+        >>> x = torch.full((4,), 0.25)
+        >>> stochastic_codes(x, cb, torch.tensor([0.0, 0.2, 0.3, 0.9])).tolist()
+        [2, 2, 1, 1]
+    """
+    if x.shape != r.shape:
+        raise ValueError(f"x {tuple(x.shape)} and r {tuple(r.shape)} differ in shape")
+    cb = codebook.to(device=x.device, dtype=torch.float32)
+    uniq, counts = torch.unique_consecutive(cb, return_counts=True)
+    first = torch.cumsum(counts, 0) - counts
+    gaps = uniq[1:] - uniq[:-1]
+    x, r = x.float(), r.float()
+    index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+    for j in range(uniq.numel() - 1):
+        index += (x - uniq[j]) > (r * gaps[j])
+    return first[index].to(torch.uint8)

@@ -1,0 +1,277 @@
+"""Stochastic rounding of 4-bit momentum codes (leantrain/optim/code_rounding.py).
+
+The rule is checked against a brute-force reading of its definition (numpy fp32,
+one element at a time) and for its purpose (the stored value is unbiased); the C
+kernel and the PyTorch fallback are checked against ``reference_step`` with the same
+arguments, bit for bit where their momenta agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _fused_helpers import HYPER, codebook, codes_of, copy_state, random_state
+
+from leantrain.optim import Gefen, _fused, _native, _torch_step
+from leantrain.optim._state import new_state
+from leantrain.optim._step import reference_step
+from leantrain.optim.code_rounding import (
+    code_key,
+    resolved,
+    stochastic_codes,
+    uniform,
+)
+from leantrain.optim.precision import random_bits, rounding_key
+
+
+def brute_force(x: np.ndarray, cb: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """The rule read literally: find x's interval [u_i, u_i+1) among the distinct
+    values, take the upper end iff fl(x - u_i) > fl(r * (u_i+1 - u_i)), store the
+    lowest code holding the value."""
+    uniq = np.unique(cb)
+    out = np.empty(x.shape, dtype=np.int64)
+    for e, (xe, re) in enumerate(zip(x, r, strict=True)):
+        i = int(np.searchsorted(uniq, xe, side="right")) - 1
+        i = min(max(i, 0), len(uniq) - 1)
+        k = i
+        if i + 1 < len(uniq):
+            gap = np.float32(uniq[i + 1] - uniq[i])
+            if np.float32(xe - uniq[i]) > np.float32(re * gap):
+                k = i + 1
+        out[e] = int(np.flatnonzero(cb == uniq[k])[0])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["spaced", "duplicates", "uniform"])
+def test_matches_brute_force(kind):
+    torch.manual_seed(0)
+    if kind == "spaced":
+        cb = codebook(4)
+    elif kind == "duplicates":  # equal codes: the lowest code holding a value
+        cb = torch.tensor([-1.0, -1.0, -0.5, 0.0, 0.0, 0.0, 0.25, 1.0])
+    else:
+        cb = torch.linspace(-1, 1, 16)
+    x = torch.cat(
+        [
+            torch.rand(3000) * 2 - 1,
+            cb,  # values equal to a code keep it
+            torch.nextafter(cb, torch.tensor(2.0)).clamp(max=1),
+            torch.nextafter(cb, torch.tensor(-2.0)).clamp(min=-1),
+        ]
+    )
+    r = uniform(rounding_key(5, 1), 0, x.numel())
+    r[:5] = torch.tensor([0.0, 1 - 2**-24, 0.5, 0.0, 1 - 2**-24])
+    mine = stochastic_codes(x, cb, r).long().numpy()
+    expected = brute_force(x.numpy(), cb.numpy(), r.numpy())
+    np.testing.assert_array_equal(mine, expected)
+
+
+def test_codes_stay_exact_and_only_neighbours_are_chosen():
+    cb = codebook(4)
+    r = uniform(7, 0, 16)
+    assert torch.equal(stochastic_codes(cb, cb, r).long(), torch.arange(16))
+    x = torch.rand(5000) * 2 - 1
+    codes = stochastic_codes(x, cb, uniform(9, 0, 5000)).long()
+    below = torch.searchsorted(cb, x, right=True) - 1
+    assert bool(((codes == below) | (codes == below + 1)).all())
+
+
+def test_stored_value_is_unbiased():
+    """E[codebook[code(x)]] = x: mean of 200k draws within 5 standard errors, where
+    nearest rounding is off by the distance to the nearest code."""
+    cb = codebook(4)
+    n = 200_000
+    for x0 in [0.013, -0.31, 0.5, 0.97]:
+        x = torch.full((n,), x0)
+        values = cb[stochastic_codes(x, cb, uniform(code_key(1, 3), 0, n)).long()]
+        lo = float(cb[cb <= x0].max())
+        hi = float(cb[cb > x0].min())
+        p = (x0 - lo) / (hi - lo)
+        stderr = (hi - lo) * (p * (1 - p) / n) ** 0.5
+        assert abs(float(values.double().mean()) - x0) < 5 * stderr + 1e-7
+
+
+def test_uniform_bits_and_keys():
+    key = code_key(3, 10)
+    r = uniform(key, 100, 1000)
+    assert r.dtype == torch.float32 and float(r.min()) >= 0 and float(r.max()) < 1
+    expected = (random_bits(key, 100, 1000) >> 8).double() / 2**24
+    assert torch.equal(r.double(), expected)
+    # its own stream: not the parameter rounding's key, and new every step and seed
+    keys = {code_key(s, t) for s in range(4) for t in range(1, 5)}
+    assert len(keys) == 16 and rounding_key(3, 10) not in keys
+
+
+def test_resolved_and_bad_values():
+    assert resolved("auto", 4) and not resolved("auto", 8)
+    assert not resolved("auto", None) and not resolved("nearest", 4)
+    assert resolved("stochastic", 4)
+    with pytest.raises(ValueError, match="momentum_bits=4"):
+        resolved("stochastic", 8)
+    with pytest.raises(ValueError, match="'up'"):
+        resolved("up", 4)
+
+
+SR_SHAPES = [(1, 1), (1001, 7), (999, 1), (4096, 64), (3001, 3001), (20000, 100)]
+
+
+@pytest.mark.parametrize("n,period", SR_SHAPES)
+def test_fused_step_matches_reference(backend, n, period):
+    """Both paths store the reference's codes (up to an ulp of m near a
+    threshold), and those codes differ from the nearest ones: the rounding runs."""
+    torch.manual_seed(n)
+    param, grad = torch.randn(n), torch.randn(n)
+    state = random_state(n, period, 4, seed=n)
+    mine, ref, near = copy_state(state), copy_state(state), copy_state(state)
+    p_mine, p_ref = param.clone(), param.clone()
+    kw = dict(HYPER, stochastic_codes=True, seed=11)
+    _fused.fused_step(p_mine, grad, mine, **kw)
+    reference_step(p_ref, grad, ref, **kw)
+    reference_step(param.clone(), grad, near, **HYPER)
+    diff = codes_of(mine, n).int() - codes_of(ref, n).int()
+    assert int(diff.abs().max()) <= 1 and int((diff != 0).sum()) <= max(1, n // 2000)
+    assert torch.equal(mine["exp_avg_absmax"], ref["exp_avg_absmax"])
+    torch.testing.assert_close(p_mine, p_ref, rtol=1e-6, atol=1e-7)
+    if n > 100:
+        changed = codes_of(ref, n) != codes_of(near, n)
+        assert 0.1 < float(changed.float().mean()) < 0.9
+
+
+def test_backends_agree_bit_for_bit():
+    """C kernel and fallback: identical codes, the kernel's AVX paths included
+    (odd starts, packed and one code per byte), with a shard's index0."""
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    h = _fused.hyperparameters(4.0, **HYPER)
+    key = code_key(2, 4)
+    for n, period, index0 in [
+        (5003, 61, 0),
+        (4000, 1, 0),
+        (777, 777, 12345),
+        (3001, 13, 2**33 + 5),
+    ]:
+        state = random_state(n, period, 4, seed=3)
+        param, grad = torch.randn(n), torch.randn(n)
+        c_state, t_state = copy_state(state), copy_state(state)
+        _fused.c_step(param.clone(), grad, c_state, h, code_key=key, index0=index0)
+        _torch_step.torch_step(
+            param.clone(), grad, t_state, h, code_key=key, index0=index0
+        )
+        assert torch.equal(c_state["exp_avg_codes"], t_state["exp_avg_codes"])
+        assert torch.equal(c_state["exp_avg_absmax"], t_state["exp_avg_absmax"])
+
+
+def test_threads_chunks_and_long_blocks_give_the_same_bits(monkeypatch):
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    h = _fused.hyperparameters(4.0, **HYPER)
+    key = code_key(0, 4)
+    for n, period in [(30001, 333), (20001, 7), (9999, 9999)]:
+        state = random_state(n, period, 4, seed=period)
+        param, grad = torch.randn(n), torch.randn(n)
+        results = []
+        for chunk, threads in [(None, 1), (16, 1), (None, 2), (17, 2)]:
+            s = copy_state(state)
+            _fused.c_step(
+                param.clone(), grad, s, h, chunk=chunk, threads=threads, code_key=key
+            )
+            results.append(s["exp_avg_codes"])
+        # the fallback's two-pass path for blocks longer than its chunk
+        monkeypatch.setattr(_torch_step, "TORCH_CHUNK", 64)
+        s = copy_state(state)
+        _torch_step.torch_step(param.clone(), grad, s, h, code_key=key)
+        monkeypatch.undo()
+        results.append(s["exp_avg_codes"])
+        for codes in results[1:]:
+            assert torch.equal(codes, results[0])
+
+
+def test_a_shard_draws_the_bits_of_its_global_elements(backend):
+    """A shard stepped with index0 = its offset stores the codes the whole tensor
+    stores there (blocks aligned with the shard)."""
+    n, period, cut = 4096, 64, 1024
+    state = random_state(n, period, 4, seed=1)
+    param, grad = torch.randn(n), torch.randn(n)
+    whole = copy_state(state)
+    _fused.fused_step(param.clone(), grad, whole, **HYPER, stochastic_codes=True)
+    shard = {
+        "step": state["step"].clone(),
+        "period": state["period"],
+        "qblock": state["qblock"],
+        "codebook": state["codebook"],
+        "exp_avg_sq": state["exp_avg_sq"][cut // period :].clone(),
+        "exp_avg_absmax": state["exp_avg_absmax"][cut // period :].clone(),
+        "exp_avg_codes": state["exp_avg_codes"][cut // 2 :].clone(),
+    }
+    _fused.fused_step(
+        param[cut:].clone(),
+        grad[cut:],
+        shard,
+        **HYPER,
+        stochastic_codes=True,
+        index0=cut,
+    )
+    assert torch.equal(shard["exp_avg_codes"], whole["exp_avg_codes"][cut // 2 :])
+
+
+def test_eight_bit_codes_refuse_stochastic_rounding():
+    state = new_state(torch.zeros(10), 5, 8, codebook(8))
+    with pytest.raises(ValueError, match="4-bit"):
+        _fused.fused_step(
+            torch.zeros(10), torch.ones(10), state, **HYPER, stochastic_codes=True
+        )
+    assert float(state["step"]) == 0  # nothing changed
+
+
+def test_gefen_option():
+    model = torch.nn.Linear(8, 4)
+    for bad in ["up", 4, None]:
+        with pytest.raises(ValueError, match="momentum_rounding"):
+            Gefen(model.parameters(), momentum_bits=4, momentum_rounding=bad)
+    with pytest.raises(ValueError, match="momentum_bits=4"):
+        Gefen(model.parameters(), momentum_rounding="stochastic")
+    opt = Gefen([model.weight], momentum_bits=4)
+    with pytest.raises(ValueError, match="momentum_bits=4"):
+        opt.add_param_group(
+            {
+                "params": [model.bias],
+                "momentum_bits": 8,
+                "momentum_rounding": "stochastic",
+            }
+        )
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("rounding", ["auto", "nearest"])
+def test_gefen_follows_the_option(rounding):
+    """Gefen's codes are the reference's with stochastic_codes = (rounding, bits)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(40, 30)
+    opt = Gefen(
+        model.parameters(), lr=1e-2, momentum_bits=4, momentum_rounding=rounding
+    )
+    x = torch.randn(64, 40)
+    for step in range(4):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if step == 0:
+            opt.step()
+            continue
+        refs = []
+        for seed, p in enumerate(model.parameters()):
+            st, q = copy_state(opt.state[p]), p.detach().clone()
+            reference_step(
+                q,
+                p.grad,
+                st,
+                **dict(HYPER, beta2=0.999, weight_decay=0.01),
+                stochastic_codes=rounding == "auto",
+                seed=seed,
+            )
+            refs.append(st)
+        opt.step()
+        for p, st in zip(model.parameters(), refs, strict=True):
+            n = p.numel()
+            diff = codes_of(opt.state[p], n) != codes_of(st, n)
+            assert int(diff.sum()) <= 2
