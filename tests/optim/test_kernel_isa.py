@@ -26,7 +26,8 @@ def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
     gefen_codes.h) against the same kernel built without AVX-512: every parameter
     bit, code, absmax and v equal, for 8-bit and packed 4-bit codes, block and
     per-element second moments, odd blocks, tails shorter than a vector, one and
-    two threads, and gradients with exact zeros and a wide range of magnitudes."""
+    two threads, gradients with exact zeros and a wide range of magnitudes, and
+    stochastic 4-bit codes whose element indices cross 2**32 (the hash's high word)."""
     if _native.compiler() is None:
         pytest.skip("no C compiler on this machine")
     if _native.load() is None:
@@ -42,7 +43,9 @@ def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
     assert _quant_table.build_table(cb8).steps <= 1  # the vectorized lookup's case
     h = _fused.hyperparameters(5.0, **HYPER)
     cases = [(4099, 61, 1), (4099, 1, 2), (333, 333, 1), (40000, 5000, 2)]
-    for (n, period, threads), bits in itertools.product(cases, (8, 4)):
+    # 4-bit codes rounded to nearest and stochastically (code key 123)
+    kinds = [(8, None), (4, None), (4, 123)]
+    for (n, period, threads), (bits, code_key) in itertools.product(cases, kinds):
         state = random_state(n, period, bits, seed=n + period)
         if bits == 8:
             state["codebook"] = cb8
@@ -55,7 +58,9 @@ def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
             monkeypatch.setattr(_native, "_library", lib)
             s, p = copy_state(state), param.clone()
             for _ in range(3):  # later steps read codes the kernel wrote
-                _fused.c_step(p, grad, s, h, threads=threads)
+                _fused.c_step(
+                    p, grad, s, h, threads=threads, code_key=code_key, index0=2**32 - 7
+                )
             results.append((p, s))
         (p_w, s_w), (p_n, s_n) = results
         assert torch.equal(p_w, p_n), (n, period, bits)

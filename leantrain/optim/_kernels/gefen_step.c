@@ -261,7 +261,7 @@ static void lt_block(void *param, const void *grad, float *restrict v,
     } else { /* 4-bit codes, or a block whose momentum is all zero (or NaN) */
       if (amax > 0.0f && bits == 4 && io->code_sr)
         lt_lookup16_sr(q, w->m, amax, l, (uint64_t)(io->index0 + s + a), io->code_key,
-                       w->val, w->code);
+                       w->code);
       else if (amax > 0.0f)
         lt_lookup16(q, w->m, amax, l, w->code);
       else
