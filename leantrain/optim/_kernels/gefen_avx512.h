@@ -63,6 +63,49 @@ static int64_t lt_momentum8_avx512(const float *restrict g, const uint8_t *restr
   return k;
 }
 
+/* Pass 1 for 4-bit codes (packed from an even element, or one per byte): the same
+   as lt_momentum8_avx512 with the lookup an in-register permute of the 16 codes
+   (lt_take16_avx512's unpacking). `codes` points at the first element's byte. */
+static int64_t lt_momentum4_avx512(const float *restrict g, const uint8_t *restrict codes,
+                                   int packed, const float *restrict cb, float amax_old,
+                                   float sign, float wc, int small, int64_t len,
+                                   float *restrict m_out, double *acc, uint32_t *top) {
+  const __m512 table = _mm512_loadu_ps(cb);
+  const __m512 v_amax = _mm512_set1_ps(amax_old), v_sign = _mm512_set1_ps(sign);
+  const __m512 v_wc = _mm512_set1_ps(wc);
+  const __m512i v_abs = _mm512_set1_epi32(0x7fffffff);
+  const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  __m512i v_top = _mm512_setzero_si512();
+  __m512d v_acc = _mm512_loadu_pd(acc);
+  int64_t k = 0;
+  for (; k + 16 <= len; k += 16) {
+    __m512i idx; /* permutexvar reads the low 4 bits of each index */
+    if (packed)
+      idx = _mm512_srlv_epi32(
+          _mm512_cvtepu8_epi32(_mm_shuffle_epi8(
+              _mm_loadl_epi64((const __m128i *)(codes + (k >> 1))), twice)),
+          shift);
+    else
+      idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
+    const __m512 old = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), v_amax);
+    const __m512 gg = _mm512_loadu_ps(g + k);
+    const __m512 gk = _mm512_mul_ps(gg, v_sign);
+    const __m512 m = _mm512_fmadd_ps(v_wc, _mm512_sub_ps(gk, old), small ? old : gk);
+    _mm512_storeu_ps(m_out + k, m);
+    v_top = _mm512_max_epu32(v_top, _mm512_and_si512(_mm512_castps_si512(m), v_abs));
+    const __m512 g2 = _mm512_mul_ps(gg, gg);
+    v_acc = _mm512_add_pd(v_acc, _mm512_cvtps_pd(_mm512_castps512_ps256(g2)));
+    v_acc = _mm512_add_pd(
+        v_acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1))));
+  }
+  _mm512_storeu_pd(acc, v_acc);
+  uint32_t lanes[16];
+  _mm512_storeu_si512(lanes, v_top);
+  for (int j = 0; j < 16; j++) top[j & 7] = lanes[j] > top[j & 7] ? lanes[j] : top[j & 7];
+  return k;
+}
+
 /* Pass 2 for a learned 8-bit codebook over the first multiple of 16 of [0, len):
    nearest code of m / amax (lt_cells + lt_lookup's entry path), and
    p = p * decay - (step_size * m) / denom (lt_update; per element denom from vel

@@ -102,6 +102,9 @@ static double lt_momentum(const float *restrict g, const uint8_t *restrict codes
     if (bits == 8) /* the lookup as a gather, in the same loop as the momentum */
       k = lt_momentum8_avx512(g, codes + a, cb, amax_old, sign, wc, small, len, m_out,
                               acc, top);
+    else if (!packed || !(a & 1)) /* 4-bit: a permute (an odd packed start: below) */
+      k = lt_momentum4_avx512(g, codes + (packed ? a >> 1 : a), packed, cb, amax_old, sign,
+                              wc, small, len, m_out, acc, top);
 #endif
     lt_take_codebook(cb, codes, bits, packed, a + k, len - k, m_out + k);
 #ifdef __AVX2__
