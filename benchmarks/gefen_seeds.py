@@ -98,7 +98,10 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def summary(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of ``ratios`` and its 95% interval (t on the log ratios)."""
+    """Geometric mean of ``ratios`` and its 95% interval (t on the log ratios);
+    all NaN when a run diverged (a ratio that is not a positive finite number)."""
+    if not all(math.isfinite(r) and r > 0 for r in ratios):
+        return math.nan, math.nan, math.nan
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     if len(logs) < 2:

@@ -53,6 +53,11 @@ def test_unknown_variant_is_refused(seeds_module):
         seeds_module.register("adamw-big")
 
 
+def test_a_diverged_run_makes_the_summary_nan(seeds_module):
+    for bad in (math.nan, math.inf):
+        assert all(math.isnan(x) for x in seeds_module.summary([1.0, bad, 1.1]))
+
+
 def test_short_run_prints_every_seed_and_the_summary(seeds_module, capsys):
     from leantrain import compare
 
