@@ -7,8 +7,10 @@ tensors), and prints the validation loss of each as a ratio to AdamW's (same run
 
 Run: ``python benchmarks/gefen_quality.py`` (200 steps, lr 2e-3, about 2 minutes per
 variant on one idle core); ``--variants adamw,fp32:auto,8:auto`` picks variants,
-``BITS:PARTITION[:1d-element][:nearest|:stochastic]``, BITS in fp32/8/4, PARTITION
-auto/element/tensor/INT; the last suffix sets ``momentum_rounding`` (default "auto").
+``BITS:PARTITION[:1d-element][:nearest|:stochastic][:factored]``, BITS in fp32/8/4,
+PARTITION auto/element/tensor/INT; ``nearest``/``stochastic`` set
+``momentum_rounding`` (default "auto") and ``factored`` sets
+``second_moment="factored"``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def make_optimizer(
         if rounding in extra:
             extra.remove(rounding)
             options["momentum_rounding"] = rounding
+    if "factored" in extra:
+        extra.remove("factored")
+        options["second_moment"] = "factored"
     if extra == ["1d-element"]:
         one = [p for p in model.parameters() if p.ndim == 1]
         rest = [p for p in model.parameters() if p.ndim != 1]

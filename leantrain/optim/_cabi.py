@@ -82,6 +82,9 @@ class _Job(ctypes.Structure):
         ("q", ctypes.c_void_p),  # lt_quantizer *
         ("h", ctypes.c_void_p),  # lt_hyper *
         ("io", ctypes.c_void_p),  # lt_io *
+        ("rows", ctypes.c_int64),  # > 0: a factored state (factored.py)
+        ("cbar", ctypes.c_float),
+        ("unused2", ctypes.c_int32),
     ]
 
 
@@ -141,6 +144,7 @@ def c_job(
     interned: dict,
     code_key: int | None = None,
     index0: int = 0,
+    cbar: float | None = None,
 ) -> _Job:
     """The kernel's description of one parameter's step (tensors already checked
     by :func:`_c_problem` and ``state_layout``). Its scalars live in ``interned``
@@ -184,6 +188,9 @@ def c_job(
         ctypes.addressof(quantizer) if quantizer is not None else None,
         ctypes.addressof(h),
         ctypes.addressof(io),
+        int(state["factored"]) if "factored" in state else 0,
+        cbar if cbar is not None else 0.0,
+        0,
     )
 
 

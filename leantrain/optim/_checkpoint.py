@@ -37,7 +37,15 @@ from torch import Tensor
 
 from . import _dist
 from ._sharded import block_window
-from ._state import _expect, check_keys, codes_length, qblock_for
+from ._state import (
+    FACTORED_KEY,
+    _expect,
+    check_factored,
+    check_keys,
+    codes_length,
+    qblock_for,
+)
+from .factored import factor_shape
 from .partition import period_floor
 from .quant import pack_nibbles, unpack_nibbles
 
@@ -53,10 +61,15 @@ def min_period(n: int, partition: str | int) -> int:
     return min(int(partition), n)
 
 
-def padded_lengths(n: int, partition: str | int) -> tuple[int, int]:
-    """``(NB, NQ)``: checkpoint lengths of ``exp_avg_sq`` and ``exp_avg_absmax``."""
+def padded_lengths(
+    n: int, partition: str | int, factors: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """``(NB, NQ)``: checkpoint lengths of ``exp_avg_sq`` and ``exp_avg_absmax``
+    (``factors``: ``(R, C)`` of a factored second moment, whose ``exp_avg_sq`` is
+    its ``R + C`` factors)."""
     p = min_period(n, partition)
-    return max(1, -(-n // p)), max(1, -(-n // qblock_for(p)))
+    nb = sum(factors) if factors is not None else max(1, -(-n // p))
+    return nb, max(1, -(-n // qblock_for(p)))
 
 
 def packed_rows(shape: tuple[int, ...], bits: int | None) -> bool:
@@ -98,17 +111,26 @@ def _like_param(param: Tensor, value: Tensor, global_shape: tuple[int, ...]):
 
 
 def to_checkpoint(
-    param: Tensor, state: dict, bits: int | None, partition, vectors: dict
+    param: Tensor,
+    state: dict,
+    bits: int | None,
+    partition,
+    vectors: dict,
+    factors: tuple[int, int] | None = None,
 ) -> dict:
     """One parameter's runtime state in the checkpoint layout.
 
     ``vectors`` maps ``"exp_avg_sq"``/``"exp_avg_absmax"`` to the full padded
-    ``[NB]``/``[NQ]`` vectors (assembled by :func:`full_vectors`).
+    ``[NB]``/``[NQ]`` vectors (assembled by :func:`full_vectors`); ``factors``:
+    ``(R, C)`` when the group factors this parameter's second moment (a template
+    gets the ``factored`` key too, so it has the checkpoint's keys).
     """
     shape = tuple(param.shape)
     n = math.prod(shape)
     local_shape = tuple(_dist.local(param).shape)
     out = {"step": state["step"], "period": state["period"]}
+    if factors is not None:
+        out[FACTORED_KEY] = torch.tensor(factors[0], dtype=torch.int64)
     if bits is None:
         momentum = state.get("exp_avg")
         if momentum is None:  # provisional
@@ -127,7 +149,7 @@ def to_checkpoint(
             out["qblock"] = torch.tensor(0, dtype=torch.int64)
             out["codebook"] = torch.zeros(2**bits)
         out["exp_avg_codes"] = _like_param(param, codes, codes_shape(shape, bits))
-    nb, nq = padded_lengths(n, partition)
+    nb, nq = padded_lengths(n, partition, factors)
     for key, length in (("exp_avg_sq", nb), ("exp_avg_absmax", nq)):
         if key == "exp_avg_absmax" and bits is None:
             continue
@@ -150,10 +172,13 @@ def to_checkpoint(
     return out
 
 
-def local_vectors(param: Tensor, state: dict, partition) -> dict[str, Tensor]:
-    """This rank's block statistics placed in zero vectors of length NB / NQ."""
+def local_vectors(
+    param: Tensor, state: dict, partition, factors: tuple[int, int] | None = None
+) -> dict[str, Tensor]:
+    """This rank's block statistics placed in zero vectors of length NB / NQ (a
+    factored state's ``R + C`` factors: factored parameters are never sharded)."""
     n = param.numel()
-    nb, nq = padded_lengths(n, partition)
+    nb, nq = padded_lengths(n, partition, factors)
     device = _dist.local(param).device
     out = {}
     period = int(state["period"])
@@ -191,13 +216,18 @@ def _rows(param: Tensor, value: Tensor) -> Tensor:
     return full[span.start // per_row : span.stop // per_row]
 
 
-def check_checkpoint(saved: dict, param: Tensor, bits, partition, label: str) -> None:
-    """Checks one parameter's checkpoint-layout state (keys, dtypes, shapes)."""
+def check_checkpoint(
+    saved: dict, param: Tensor, bits, partition, label: str, second_moment="blocks"
+) -> None:
+    """Checks one parameter's checkpoint-layout state (keys, dtypes, shapes, and a
+    factored second moment exactly where the group's ``second_moment`` asks)."""
     if not saved:
         return
     shape = tuple(param.shape)
     n = math.prod(shape)
     check_keys(saved, bits, label)
+    check_factored(saved, shape, second_moment, label)
+    factors = factor_shape(shape) if FACTORED_KEY in saved else None
     period = int(saved["period"])
     low = min_period(n, partition)
     if period != 0 and not low <= period <= max(n, 1):
@@ -206,7 +236,7 @@ def check_checkpoint(saved: dict, param: Tensor, bits, partition, label: str) ->
             f"{partition!r} allows for {n} elements (was it saved with another "
             "partition?)"
         )
-    nb, nq = padded_lengths(n, partition)
+    nb, nq = padded_lengths(n, partition, factors)
     _expect(label, "exp_avg_sq", saved["exp_avg_sq"], torch.float32, (nb,))
     if bits is None:
         _expect(label, "exp_avg", saved["exp_avg"], torch.float32, shape)
@@ -243,10 +273,13 @@ def from_checkpoint(saved: dict, param: Tensor, bits: int | None) -> dict:
     if period == 0:  # provisional
         return {"step": saved["step"], "period": saved["period"]}
     out = {"step": saved["step"], "period": saved["period"]}
+    if FACTORED_KEY in saved:  # never sharded: the factors as saved
+        out[FACTORED_KEY] = saved[FACTORED_KEY]
+        out["exp_avg_sq"] = _full(saved["exp_avg_sq"])
     sharded = _dist.is_sharded(param)
     span = _dist.my_span(param) if sharded else None
     n_local = _dist.local(param).numel()
-    blocks = {"exp_avg_sq": period}
+    blocks = {} if FACTORED_KEY in saved else {"exp_avg_sq": period}
     if bits is not None:
         blocks["exp_avg_absmax"] = int(saved["qblock"])
     for key, block in blocks.items():

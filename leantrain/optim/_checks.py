@@ -85,6 +85,19 @@ def check_partition(partition: object) -> None:
         raise ValueError(f"Invalid partition block length: {partition}; must be >= 1")
 
 
+def check_second_moment(value: object, partition: object) -> None:
+    """Checks ``second_moment`` is "blocks" or "factored", and not "factored" with
+    ``partition="element"`` (which asks for AdamW's per-element second moment)."""
+    from .factored import check_second_moment as check_name
+
+    check_name(value)
+    if value == "factored" and partition == "element":
+        raise ValueError(
+            "second_moment='factored' contradicts partition='element' (a per-element "
+            "second moment); use one of them"
+        )
+
+
 def check_nonfinite(mode: object) -> None:
     """Checks the non-finite gradient policy is "skip" or "raise"."""
     if mode not in NONFINITE_MODES:
@@ -101,6 +114,7 @@ def check_group(group: dict) -> None:
 
     resolved(group.get("momentum_rounding", "auto"), group["momentum_bits"])
     check_partition(group["partition"])
+    check_second_moment(group.get("second_moment", "blocks"), group["partition"])
     if not isinstance(group["maximize"], bool):
         raise TypeError(f"maximize must be a bool, got {group['maximize']!r}")
 

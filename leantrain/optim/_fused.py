@@ -33,6 +33,7 @@ from torch import Tensor
 from . import _cabi, _native
 from ._torch_step import state_layout, torch_step
 from .code_rounding import code_key
+from .factored import mean_column, update_factors
 from .precision import default_stochastic, rounding_key
 
 # Sub-chunk of the C kernel (None: its largest, 16384 elements); tests lower it to
@@ -105,6 +106,7 @@ def c_step(
     key: int = 0,
     code_key: int | None = None,
     index0: int = 0,
+    cbar: float | None = None,
     lib: ctypes.CDLL | None = None,
     checked: bool = False,
 ) -> None:
@@ -114,7 +116,8 @@ def c_step(
     written back rounded to nearest, or stochastically (``stochastic``, keyed by
     ``key``; see :mod:`leantrain.optim.precision`); with ``code_key`` its 4-bit codes
     are rounded stochastically (:mod:`.code_rounding`); ``index0`` is the global
-    flat index of its first element (a shard's offset). ``lib`` is the loaded library
+    flat index of its first element (a shard's offset); ``cbar``: a factored state's
+    column-factor mean (its factors already updated). ``lib`` is the loaded library
     (default: :func:`_native.load`); ``checked`` says the caller already had
     :func:`_c_problem` accept these tensors (``fused_step``: one check per step).
 
@@ -122,7 +125,7 @@ def c_step(
         ValueError: a tensor of the wrong dtype, device, layout or size (checked
             here, before any pointer reaches C), or an argument the kernel rejects.
         RuntimeError: the native library is not available.
-        MemoryError: the kernel's per-thread buffers (~21 B x chunk each) do not fit.
+        MemoryError: the kernel's per-thread buffers (~25 B x chunk each) do not fit.
     """
     lib = lib or _native.load()
     if lib is None:
@@ -151,9 +154,20 @@ def c_step(
         interned=interned,
         code_key=code_key,
         index0=index0,
+        cbar=cbar,
     )
     threads = threads or (torch.get_num_threads() if n >= _THREAD_MIN else 1)
     _cabi.launch(lib, [job], chunk, threads)
+
+
+def advance_factors(grad: Tensor, state: dict, beta2: float) -> float | None:
+    """A factored state's factor update (before its element loop, which needs the
+    column means of the whole gradient) and their column mean; None otherwise."""
+    if "factored" not in state:
+        return None
+    rows = int(state["factored"])
+    update_factors(grad, state["exp_avg_sq"], rows, beta2)
+    return mean_column(state["exp_avg_sq"], rows)
 
 
 def hyperparameters(
@@ -279,6 +293,7 @@ def fused_step(
     state["step"] += 1
     key = rounding_key(seed, int(state["step"])) if stochastic else 0
     ckey = code_key(seed, int(state["step"])) if codes_sr else None
+    cbar = advance_factors(grad, state, beta2)
     hyper = hyperparameters(
         float(state["step"]),
         lr=lr,
@@ -300,6 +315,7 @@ def fused_step(
             key=key,
             code_key=ckey,
             index0=index0,
+            cbar=cbar,
             lib=lib,
             checked=True,
         )
@@ -313,4 +329,5 @@ def fused_step(
             key=key,
             code_key=ckey,
             index0=index0,
+            cbar=cbar,
         )

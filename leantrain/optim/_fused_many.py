@@ -108,9 +108,16 @@ def _launch_all(
 ) -> None:
     """One kernel call for every checked item; their steps advance after it."""
     jobs, interned = [], {}  # interned: the jobs' scalars, alive until launch returns
+    # factored states advance their factors first; put back if the launch fails
+    saved = [
+        (item.state, item.state["exp_avg_sq"].clone())
+        for item, *_ in native
+        if "factored" in item.state
+    ]
     for item, layout, stochastic, codes_sr in native:
         step = float(item.state["step"]) + 1
         key = rounding_key(item.seed, int(step)) if stochastic else 0
+        cbar = _fused.advance_factors(item.grad, item.state, item.beta2)
         jobs.append(
             _cabi.c_job(
                 item.param,
@@ -123,11 +130,17 @@ def _launch_all(
                 interned=interned,
                 code_key=code_key(item.seed, int(step)) if codes_sr else None,
                 index0=item.index0,
+                cbar=cbar,
             )
         )
     total = sum(item.param.numel() for item, *_ in native)
     threads = torch.get_num_threads() if total >= _fused._THREAD_MIN else 1
     max_chunk = _cabi.checked_library(lib)
-    _cabi.launch(lib, jobs, _fused.C_CHUNK or max_chunk, threads)
+    try:
+        _cabi.launch(lib, jobs, _fused.C_CHUNK or max_chunk, threads)
+    except (MemoryError, ValueError):
+        for state, factors in saved:
+            state["exp_avg_sq"].copy_(factors)
+        raise
     for item, *_ in native:
         item.state["step"] += 1

@@ -11,7 +11,10 @@ key                       dtype    shape / meaning
 ========================  =======  ================================================
 ``step``                  fp32     0-dim, steps taken
 ``period``                int64    0-dim, block length p of the second moment
-``exp_avg_sq``            fp32     [nb], one second moment per block
+``exp_avg_sq``            fp32     [nb], one second moment per block; factored
+                                   (``second_moment="factored"``): [R + C], the
+                                   row and column factors (``factored.py``)
+``factored``              int64    0-dim, R (factored states only)
 ``exp_avg``               fp32     param shape (``momentum_bits=None`` only)
 ``exp_avg_codes``         uint8    [n] (8-bit) or [ceil(n / 2)] (4-bit, 2 codes/byte)
 ``exp_avg_absmax``        fp32     [ceil(n / qblock)], momentum scale per block
@@ -33,6 +36,7 @@ ELEMENT_QBLOCK = 256
 
 QUANTIZED_KEYS = ("exp_avg_codes", "exp_avg_absmax", "qblock", "codebook")
 COMMON_KEYS = ("step", "period", "exp_avg_sq")
+FACTORED_KEY = "factored"  # present in factored states only: R, the row count
 
 
 def qblock_for(period: int) -> int:
@@ -57,8 +61,20 @@ def state_bits(state: dict) -> int | None:
     return int(state["codebook"].numel()).bit_length() - 1
 
 
+def second_moment_length(n: int, period: int, state: dict) -> int:
+    """Entries of ``exp_avg_sq``: R + C for a factored state, else ceil(n / p)."""
+    rows = state.get(FACTORED_KEY)
+    if rows is None:
+        return num_blocks(n, period)
+    return int(rows) + n // max(int(rows), 1)
+
+
 def new_state(
-    param: Tensor, period: int, bits: int | None, codebook: Tensor | None
+    param: Tensor,
+    period: int,
+    bits: int | None,
+    codebook: Tensor | None,
+    factored: tuple[int, int] | None = None,
 ) -> dict[str, Tensor]:
     """Creates the zero state of one parameter (m = 0, v = 0, step = 0).
 
@@ -68,6 +84,8 @@ def new_state(
         bits: 8, 4 or None (fp32 momentum).
         codebook: the shared fp32 codebook of ``2**bits`` codes (None when bits is
             None). Stored by reference, never copied.
+        factored: ``(R, C)`` for a factored second moment (``factored.factor_shape``),
+            or None for one per block of ``period``.
 
     Returns:
         The state dict, laid out as in docs/CONTRACTS.md.
@@ -78,6 +96,12 @@ def new_state(
         "period": torch.tensor(period, dtype=torch.int64),
         "exp_avg_sq": torch.zeros(num_blocks(n, period), device=device),
     }
+    if factored is not None:
+        rows, cols = factored
+        if rows * cols != n:
+            raise ValueError(f"factors {rows} x {cols} do not cover {n} elements")
+        state["exp_avg_sq"] = torch.zeros(rows + cols, device=device)
+        state[FACTORED_KEY] = torch.tensor(rows, dtype=torch.int64)
     if bits is None:
         state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=device)
         return state
@@ -117,7 +141,7 @@ def check_keys(state: dict, bits: int | None, label: str) -> None:
             momentum_bits), or a step / period of the wrong dtype or shape.
     """
     wanted = set(COMMON_KEYS) | ({"exp_avg"} if bits is None else set(QUANTIZED_KEYS))
-    missing, extra = wanted - set(state), set(state) - wanted
+    missing, extra = wanted - set(state), set(state) - wanted - {FACTORED_KEY}
     if missing or extra:
         found_bits = "fp32" if "exp_avg" in state else "quantized"
         raise ValueError(
@@ -128,10 +152,19 @@ def check_keys(state: dict, bits: int | None, label: str) -> None:
         )
     _expect(label, "step", state["step"], torch.float32, ())
     _expect(label, "period", state["period"], torch.int64, ())
+    if FACTORED_KEY in state:
+        _expect(label, FACTORED_KEY, state[FACTORED_KEY], torch.int64, ())
 
 
-def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> None:
-    """Checks a loaded state matches ``param`` and the group's ``momentum_bits``.
+def check_state(
+    state: dict,
+    param: Tensor,
+    bits: int | None,
+    label: str,
+    second_moment: str = "blocks",
+) -> None:
+    """Checks a loaded state matches ``param`` and the group's ``momentum_bits``
+    and ``second_moment``.
 
     An empty state (parameter never stepped) always matches.
 
@@ -146,12 +179,13 @@ def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> Non
     period = int(state["period"])
     if not 1 <= period <= max(n, 1):
         raise ValueError(f"{label}: period {period} outside [1, {n}] (numel {n})")
+    check_factored(state, tuple(param.shape), second_moment, label)
     _expect(
         label,
         "exp_avg_sq",
         state["exp_avg_sq"],
         torch.float32,
-        (num_blocks(n, period),),
+        (second_moment_length(n, period, state),),
     )
     if bits is None:
         _expect(label, "exp_avg", state["exp_avg"], torch.float32, param.shape)
@@ -184,6 +218,29 @@ def check_state(state: dict, param: Tensor, bits: int | None, label: str) -> Non
         torch.float32,
         (num_blocks(n, qblock),),
     )
+
+
+def check_factored(
+    state: dict, shape: tuple[int, ...], second_moment: str, label: str
+) -> None:
+    """A state is factored exactly when its group's ``second_moment`` factors a
+    parameter of this shape, with its row count.
+
+    Raises:
+        ValueError: naming what the state holds and what the group expects.
+    """
+    from .factored import factor_shape
+
+    want = factor_shape(shape) if second_moment == "factored" else None
+    rows = state.get(FACTORED_KEY)
+    have = None if rows is None else int(rows)
+    if (want is None) != (have is None) or (want is not None and want[0] != have):
+        held = "blocks" if have is None else f"factored with {have} rows"
+        expected = "blocks" if want is None else f"factored with {want[0]} rows"
+        raise ValueError(
+            f"{label}: the state's second moment is {held}, but its group "
+            f"(second_moment={second_moment!r}) and shape {shape} need {expected}"
+        )
 
 
 def share_codebooks(states: list[dict]) -> None:

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from . import _checkpoint, _checks, _dist
 from ._state import share_codebooks
+from .factored import factor_shape
 
 # Keys kept on the CPU (0-dim bookkeeping, like torch's non-capturable `step`).
 HOST_KEYS = ("step", "period", "qblock")
@@ -88,6 +89,15 @@ def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
                 f"{saved['momentum_bits']}, this optimizer momentum_bits="
                 f"{group['momentum_bits']}"
             )
+        mine, theirs = (
+            group.get("second_moment", "blocks"),
+            saved.get("second_moment", "blocks"),
+        )
+        if mine != theirs:
+            raise ValueError(
+                f"param group {index}: the state dict has second_moment={theirs!r}, "
+                f"this optimizer second_moment={mine!r}"
+            )
         _checks.check_group({**saved, "betas": tuple(saved["betas"])})
     id_map, where = {}, {}
     index = 0
@@ -105,11 +115,25 @@ def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
         group, position, index, bits = where[saved_id]
         param = id_map[saved_id]
         name = label(group, position, param, index)
-        _checkpoint.check_checkpoint(state, param, bits, group["partition"], name)
+        _checkpoint.check_checkpoint(
+            state,
+            param,
+            bits,
+            group["partition"],
+            name,
+            group.get("second_moment", "blocks"),
+        )
         pending[param] = _checkpoint.from_checkpoint(state, param, bits)
     optimizer._pending_state = pending
     rest = {k: v for k, v in state_dict["state"].items() if k not in id_map}
     return {**state_dict, "state": rest}
+
+
+def group_factors(group: dict, param: Tensor) -> tuple[int, int] | None:
+    """``(R, C)`` when the group factors this parameter's second moment."""
+    if group.get("second_moment", "blocks") != "factored":
+        return None
+    return factor_shape(tuple(param.shape))
 
 
 def fresh(state: dict) -> bool:
@@ -130,7 +154,9 @@ def state_dict_post_hook(optimizer: Optimizer, state_dict: dict) -> dict:
         if not saved or index >= len(params):
             continue
         param, group = params[index], groups[index]
-        vectors = _checkpoint.local_vectors(param, saved, group["partition"])
+        vectors = _checkpoint.local_vectors(
+            param, saved, group["partition"], group_factors(group, param)
+        )
         items.append((index, param, group, saved, vectors))
     sharded = [it for it in items if _dist.is_sharded(it[1])]
     if sharded:
@@ -143,7 +169,12 @@ def state_dict_post_hook(optimizer: Optimizer, state_dict: dict) -> dict:
                 pos += value.numel()
     for index, param, group, saved, vectors in items:
         state_dict["state"][index] = _checkpoint.to_checkpoint(
-            param, saved, group["momentum_bits"], group["partition"], vectors
+            param,
+            saved,
+            group["momentum_bits"],
+            group["partition"],
+            vectors,
+            group_factors(group, param),
         )
     return state_dict
 

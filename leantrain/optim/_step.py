@@ -5,7 +5,8 @@ parameter"); a fast path must take the same arguments and match it in a parity t
 It is AdamW (decoupled weight decay, bias correction, eps outside the sqrt) with
 
 * a second moment per block of p contiguous elements,
-  :math:`v \leftarrow \beta_2 v + (1-\beta_2)\,\mathrm{mean}_{block}(g^2)`, and
+  :math:`v \leftarrow \beta_2 v + (1-\beta_2)\,\mathrm{mean}_{block}(g^2)` (or, in a
+  factored state, Adafactor's row and column factors: ``factored.py``), and
 * a momentum stored as codes into a shared codebook times a per-block absmax; the
   update uses the *de-quantized re-quantized* momentum, so what is stored is exactly
   what was applied.
@@ -22,7 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import code_rounding
+from . import code_rounding, factored
 from .quant import (
     NearestCode,
     block_absmax,
@@ -172,6 +173,16 @@ def reference_step(
     key = None
     if stochastic_codes and codebook is not None and codebook.numel() == 16:
         key = code_rounding.code_key(seed, int(state["step"]))
+    rows = state.get("factored")
+    if rows is not None:  # factored.py: row and column factors, then v per element
+        rows = int(rows)
+        sq = grad.reshape(rows, n // rows).double().square()
+        factors = state["exp_avg_sq"]
+        factors[:rows].mul_(beta2).add_(
+            (sq.sum(1) / (n // rows)).float(), alpha=1 - beta2
+        )
+        factors[rows:].mul_(beta2).add_((sq.sum(0) / rows).float(), alpha=1 - beta2)
+        cbar = factored.mean_column(factors, rows)
     # Row-major flattening of the logical layout; a non-contiguous parameter is
     # updated in a contiguous copy and written back once at the end.
     flat_param = param.view(-1) if param.is_contiguous() else param.reshape(-1).clone()
@@ -184,7 +195,9 @@ def reference_step(
             g = -g
         # (B,) second moment per block of this chunk; chunks start on a block.
         v = state["exp_avg_sq"][start // period : math.ceil(end / period)]
-        if period == 1:  # the same ops as torch's AdamW, so "element" matches it
+        if rows is not None:
+            v = factored.factored_v(factors, rows, cbar, start, end)
+        elif period == 1:  # the same ops as torch's AdamW, so "element" matches it
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         else:
             v.mul_(beta2).add_(block_mean_square(g, period), alpha=1 - beta2)
@@ -201,7 +214,9 @@ def reference_step(
             # (docs/gefen.md, "The update uses the exact momentum").
             _store_momentum(state, m, start, end, qblock, codebook, nearest, key)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-        w32.addcdiv_(m, per_element(denom, period, end - start), value=-step_size)
+        if rows is None:
+            denom = per_element(denom, period, end - start)
+        w32.addcdiv_(m, denom, value=-step_size)
         if w32 is not w:
             w.copy_(w32)
     if not param.is_contiguous():

@@ -21,6 +21,8 @@ from torch import Tensor
 
 from . import code_rounding
 from ._quant_table import QuantTable, nearest_index, quant_table
+from ._state import second_moment_length
+from .factored import factored_v
 from .precision import round_to
 
 # Elements per chunk: temporaries are ~120 B per element of a chunk (fp32, fp64 and
@@ -38,11 +40,12 @@ def state_layout(param: Tensor, state: dict) -> tuple[int, int, int]:
     period = int(state["period"])
     if not 1 <= period <= n:
         raise ValueError(f"state 'period' is {period}; allowed: 1 <= period <= {n}")
-    nb = math.ceil(n / period)
+    nb = second_moment_length(n, period, state)
     if state["exp_avg_sq"].numel() != nb:
+        what = "its factors" if "factored" in state else f"period {period}"
         raise ValueError(
             f"state 'exp_avg_sq' has {state['exp_avg_sq'].numel()} elements; "
-            f"period {period} over {n} elements needs {nb}"
+            f"{what} over {n} elements need {nb}"
         )
     codebook = state.get("codebook")
     if codebook is None:
@@ -189,12 +192,16 @@ def _chunk(
     table: QuantTable | None,
     h: dict[str, float],
     r: Tensor | None = None,
+    v_elem: Tensor | None = None,
 ) -> None:
     """One chunk of whole blocks: the full update in one pass (``r``: the code
-    rounding's uniforms of the chunk, or None for nearest codes)."""
+    rounding's uniforms of the chunk, or None for nearest codes; ``v_elem``: a
+    factored state's per-element v, already updated)."""
     length = end - start
     sq = g * g
-    if period == 1:
+    if v_elem is not None:
+        denom = (v_elem.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
+    elif period == 1:
         v = state["exp_avg_sq"][start:end]
         _ema(v, sq, h)
         denom = (v.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
@@ -238,10 +245,11 @@ def _big_block(
     chunk: int,
     sign: float,
     uniforms=None,
+    factors=None,
 ) -> None:
     """One block longer than a chunk: stats over sub-chunks, then the update
     (``uniforms(s, e)``: the code rounding's uniforms of elements [s, e), or None
-    for nearest codes)."""
+    for nearest codes; ``factors(s, e)``: a factored state's v of those elements)."""
     b = start // block
     total, amax = 0.0, 0.0
     for s in range(start, end, chunk):
@@ -251,10 +259,11 @@ def _big_block(
         if bits:
             m = _momentum(g, state, s, e, block, bits, table, h["w1"])
             amax = max(amax, float(m.abs().amax()))
-    mean = torch.tensor([total / (end - start)], device=grad.device)
-    v = state["exp_avg_sq"][b : b + 1]
-    v.mul_(h["beta2"]).add_(mean, alpha=h["omb2"])
-    denom = (v.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
+    if factors is None:
+        mean = torch.tensor([total / (end - start)], device=grad.device)
+        v = state["exp_avg_sq"][b : b + 1]
+        v.mul_(h["beta2"]).add_(mean, alpha=h["omb2"])
+        denom = (v.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
     amax_t = torch.tensor(amax, dtype=torch.float32, device=grad.device)
     for s in range(start, end, chunk):
         e = min(s + chunk, end)
@@ -267,6 +276,8 @@ def _big_block(
         else:
             state["exp_avg"].view(-1)[s:e] = m
         w = param32[s - start : e - start]
+        if factors is not None:
+            denom = (factors(s, e).sqrt() / h["sqrt_bc2"]).add_(h["eps"])
         w.mul_(h["decay"]).addcdiv_(m, denom, value=-h["step_size"])
     if bits:
         state["exp_avg_absmax"][b] = amax_t
@@ -287,13 +298,17 @@ def chunk_function(device: torch.device):
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk, dynamic=True)
 
-    def compiled(param32, g, state, start, end, period, block, bits, table, h, r=None):
+    def compiled(
+        param32, g, state, start, end, period, block, bits, table, h, r=None, v=None
+    ):
         # The per-step scalars (bias corrections change every step) go in as 0-dim
         # tensors: as Python floats they would be baked in and recompile each step.
         h = {
             k: torch.tensor(x, dtype=torch.float32, device=device) for k, x in h.items()
         }
-        _compiled_chunk(param32, g, state, start, end, period, block, bits, table, h, r)
+        _compiled_chunk(
+            param32, g, state, start, end, period, block, bits, table, h, r, v
+        )
 
     return compiled
 
@@ -308,8 +323,10 @@ def torch_step(
     key: int = 0,
     code_key: int | None = None,
     index0: int = 0,
+    cbar: float | None = None,
 ) -> None:
-    """The chunked PyTorch step (``state['step']`` already advanced).
+    """The chunked PyTorch step (``state['step']`` already advanced; a factored
+    state's factors too, ``cbar`` their column mean: ``factored.py``).
 
     A bf16/fp16 parameter is updated in fp32 per chunk and written back rounded to
     nearest, or with ``stochastic`` rounding keyed by ``key``
@@ -345,6 +362,13 @@ def torch_step(
                 )
             )
 
+    rows = int(state["factored"]) if "factored" in state else None
+
+    def factors(start: int, end: int) -> Tensor | None:
+        if rows is None:
+            return None
+        return factored_v(state["exp_avg_sq"], rows, cbar, start, end)
+
     def uniforms(start: int, end: int) -> Tensor | None:
         if code_key is None:
             return None
@@ -371,6 +395,7 @@ def torch_step(
                 TORCH_CHUNK,
                 sign,
                 uniforms if code_key is not None else None,
+                factors if rows is not None else None,
             )
             write_back(w, w32, start)
     else:
@@ -382,7 +407,8 @@ def torch_step(
             w = flat[start:end]
             w32 = w if w.dtype == torch.float32 else w.float()
             r = uniforms(start, end)
-            chunk_fn(w32, g, state, start, end, period, block, bits, table, h, r)
+            v = factors(start, end)
+            chunk_fn(w32, g, state, start, end, period, block, bits, table, h, r, v)
             write_back(w, w32, start)
     if not param.is_contiguous():
         param.copy_(flat.view(param.shape))

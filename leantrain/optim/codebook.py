@@ -69,6 +69,7 @@ __all__ = [
     "histogram",
     "learn_codebook",
     "learn_codebook_reference",
+    "with_exact_zero",
 ]
 
 # Elements per histogram chunk: bounds the fp32/int64 temporaries to a few MiB.
@@ -266,3 +267,20 @@ def codebook_cost(counts: Tensor, codebook: Tensor) -> float:
     lo = np.clip(hi - 1, 0, codes.size - 1)
     d2 = np.minimum((x - codes[lo]) ** 2, (x - codes[hi]) ** 2)
     return float(np.dot(c, d2))
+
+
+def with_exact_zero(codebook: Tensor) -> Tensor:
+    """``codebook`` with its code nearest 0 moved to exactly 0 (a copy).
+
+    Gefen stores a momentum component that is exactly 0 (a weight whose gradient has
+    always been 0: an input that is never lit, a dead unit) with the code nearest 0.
+    Unless that code *is* 0, the stored value never decays: it stays about that
+    code times the block absmax for ever. With blocks that residue is harmless
+    (measured: no change in quality), but a factored second moment divides it by
+    that weight's own tiny statistic (docs/gefen.md, "Factored second moment"), so
+    an optimizer with factored groups uses a codebook with an exact 0, as NF4 has.
+    Order is kept: no other code lies between the moved code and 0.
+    """
+    out = codebook.clone()
+    out[int(torch.argmin(out.abs()))] = 0.0
+    return out

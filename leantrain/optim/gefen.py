@@ -20,8 +20,14 @@ from . import _checks, _dist, code_rounding
 from . import _reducible_partition as _partition
 from ._fused_many import StepItem, step_many
 from ._sharded import local_histogram, new_local_state, partial_absmax
-from ._state import new_state, qblock_for, state_bits
-from ._state_dict import LazyLabel, load_post_hook, load_pre_hook, state_dict_post_hook
+from ._state import check_factored, new_state, qblock_for, state_bits
+from ._state_dict import (
+    LazyLabel,
+    group_factors,
+    load_post_hook,
+    load_pre_hook,
+    state_dict_post_hook,
+)
 from ._state_dict import fresh as _fresh
 from ._state_dict import label as _label
 from ._straddle import straddle_layout, straddling_step
@@ -110,6 +116,14 @@ class Gefen(Optimizer):
             8-bit ones). The random bits are keyed like ``stochastic_rounding``'s,
             on a stream of their own. May be set per param group; no effect on fp32
             momentum. See docs/gefen.md.
+        second_moment: "blocks" (one second moment per block of ``partition``) or
+            "factored" (for parameters with two or more dims, Adafactor's row and
+            column factors of :math:`g^2`, viewed as ``shape[0] x rest``; the
+            momentum's absmax keeps its blocks; 1-D parameters keep blocks). Closes
+            most of the gap to AdamW where a layer's inputs have very different
+            scales (an MLP on raw pixels: 1.22x -> 1.03x AdamW's loss), for
+            4 (R + C) bytes per R x C matrix. Not for FSDP2-sharded parameters.
+            May be set per param group. See docs/gefen.md.
 
     Raises:
         ValueError: an invalid hyper-parameter, naming the value.
@@ -141,11 +155,13 @@ class Gefen(Optimizer):
         nonfinite: str = "skip",
         stochastic_rounding: bool | None = None,
         momentum_rounding: str = "auto",
+        second_moment: str = "blocks",
     ) -> None:
         _checks.check_hyperparameters(lr, betas, eps, weight_decay)
         _checks.check_momentum_bits(momentum_bits)
         code_rounding.resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
+        _checks.check_second_moment(second_moment, partition)
         _checks.check_nonfinite(nonfinite)
         if stochastic_rounding not in (None, True, False):
             raise ValueError(
@@ -162,6 +178,7 @@ class Gefen(Optimizer):
             "maximize": maximize,
             "stochastic_rounding": stochastic_rounding,
             "momentum_rounding": momentum_rounding,
+            "second_moment": second_moment,
         }
         self.nonfinite = nonfinite
         self.nonfinite_steps = 0
@@ -232,10 +249,22 @@ class Gefen(Optimizer):
         fresh = [(g, p) for g, p, _ in active if _fresh(self.state[p])]
         if not fresh:
             return
+        for group, param in fresh:  # before any collective: every rank raises alike
+            if group_factors(group, param) is not None and _dist.is_sharded(param):
+                raise ValueError(
+                    f"second_moment='factored' is not supported for FSDP2-sharded "
+                    f"parameters (shape {tuple(param.shape)}: its column factor would "
+                    "span every rank); use second_moment='blocks' for this group"
+                )
         periods = {p: block_period(g["partition"], p) for g, p in fresh}
         codebooks: dict[int, Tensor] = {}
         for bits in {g["momentum_bits"] for g, _ in fresh} - {None}:
             codebook = self._codebook(bits)
+            # A factored second moment needs an exact 0 code (codebook.with_exact_zero)
+            factored = any(
+                g.get("second_moment") == "factored" and g["momentum_bits"] == bits
+                for g in self.param_groups
+            )
             if codebook is None:
                 codebook = self._learn_codebook(
                     bits,
@@ -244,6 +273,14 @@ class Gefen(Optimizer):
                         for g, p in fresh
                         if g["momentum_bits"] == bits
                     ],
+                    exact_zero=factored,
+                )
+            elif factored and 0.0 not in codebook.tolist():
+                raise ValueError(
+                    f"a param group with second_moment='factored' got its first "
+                    f"gradient after the {bits}-bit codebook was learned without an "
+                    "exact 0 code (no factored group existed then); add factored "
+                    "groups before the first step"
                 )
             codebooks[bits] = codebook
         for group, param in fresh:
@@ -251,6 +288,7 @@ class Gefen(Optimizer):
                 group["momentum_bits"],
                 codebooks.get(group["momentum_bits"]),
             )
+            factors = group_factors(group, param)
             if _dist.is_sharded(param):
                 self.state[param] = new_local_state(
                     param.to_local(),
@@ -261,12 +299,14 @@ class Gefen(Optimizer):
                 )
             else:
                 self.state[param] = new_state(
-                    _dist.local(param), periods[param], bits, codebook
+                    _dist.local(param), periods[param], bits, codebook, factors
                 )
 
     @staticmethod
-    def _learn_codebook(bits: int, members: list[tuple[dict, Tensor, int]]) -> Tensor:
-        from .codebook import histogram, learn_codebook
+    def _learn_codebook(
+        bits: int, members: list[tuple[dict, Tensor, int]], exact_zero: bool = False
+    ) -> Tensor:
+        from .codebook import histogram, learn_codebook, with_exact_zero
 
         counts = torch.zeros(BINS, dtype=torch.float64)
         sharded = []
@@ -297,6 +337,8 @@ class Gefen(Optimizer):
                 local += local_histogram(g, span, qblock, absmax, BINS).cpu()
             counts += _dist.all_reduce(local, "sum", group)
         codebook = learn_codebook(counts, 2**bits).to(torch.float32)
+        if exact_zero:
+            codebook = with_exact_zero(codebook)
         return codebook.to(_dist.local(members[0][1]).device)
 
     @torch.no_grad()
@@ -326,6 +368,13 @@ class Gefen(Optimizer):
                     f"{label}: its state holds momentum_bits={state_bits(state)} but "
                     f"its group now says {group['momentum_bits']}; momentum_bits "
                     "cannot change after the first step"
+                )
+            if not _fresh(state):
+                check_factored(
+                    state,
+                    tuple(param.shape),
+                    group.get("second_moment", "blocks"),
+                    label,
                 )
         self._init_states(active)
         straddling = []

@@ -246,10 +246,18 @@ def dcp_checks(rank: int, world: int, root: str, sources: tuple[str, ...]) -> di
         m = build(world)[0]
         dcp_load(m, torch.optim.AdamW(m.parameters()), path)
 
+    def factored():  # a factored second moment cannot span row shards
+        m = build(world)[0]
+        opt = Gefen(m.parameters(), second_moment="factored")
+        x, y = batch(0)
+        (m(x) - y).square().mean().backward()
+        opt.step()
+
     out["errors"] = {
         "model": _fails(other_model),
         "bits": _fails(other_bits),
         "adamw": _fails(adamw),
+        "factored": _fails(factored),
     }
     return out
 

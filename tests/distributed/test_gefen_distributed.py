@@ -73,6 +73,11 @@ def check_dcp(results: list[dict], world: int) -> None:
         assert "Size mismatch" in errors["model"] and "0.weight" in errors["model"]
         assert "exp_avg_codes" in errors["bits"] or "codebook" in errors["bits"]
         assert "exp_avg" in errors["adamw"]
+        if world > 1:  # sharded: a clear error; one process: it trains
+            assert "ValueError" in errors["factored"], errors["factored"]
+            assert "FSDP2-sharded" in errors["factored"]
+        else:
+            assert errors["factored"] == ""
 
 
 def test_two_ranks_ddp_and_fsdp2_equal_one_process(two_ranks):

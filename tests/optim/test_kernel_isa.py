@@ -10,6 +10,8 @@ import torch
 from test_fused import HYPER, codes_of, copy_state, random_state, spaced_codebook  # noqa: F401
 
 from leantrain.optim import _fused, _native, _quant_table
+from leantrain.optim._state import new_state
+from leantrain.optim.factored import factor_shape
 
 
 def _cpu_has(flag: str) -> bool:
@@ -66,3 +68,26 @@ def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
         assert torch.equal(p_w, p_n), (n, period, bits)
         for key in state:
             assert torch.equal(s_w[key], s_n[key]), (n, period, bits, key)
+    # factored second moments (factored.py): the v tile, rows crossing sub-chunks
+    for (rows, cols, period, threads), bits in itertools.product(
+        [(61, 67, 61, 1), (300, 70, 5000, 2)], (8, 4)
+    ):
+        n = rows * cols
+        g = torch.Generator().manual_seed(rows)
+        cb = cb8 if bits == 8 else random_state(2, 2, 4, seed=1)["codebook"]
+        state = new_state(torch.zeros(n), period, bits, cb, factor_shape((rows, cols)))
+        grad = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+        param = torch.randn(n, generator=g)
+        results = []
+        for lib in (wide, narrow):
+            monkeypatch.setattr(_native, "_library", lib)
+            s, p = copy_state(state), param.clone()
+            for _ in range(3):
+                s["step"] += 1
+                cbar = _fused.advance_factors(grad, s, 0.99)
+                _fused.c_step(p, grad, s, h, threads=threads, chunk=1000, cbar=cbar)
+            results.append((p, s))
+        (p_w, s_w), (p_n, s_n) = results
+        assert torch.equal(p_w, p_n), (rows, cols, bits)
+        for key in state:
+            assert torch.equal(s_w[key], s_n[key]), (rows, cols, bits, key)

@@ -20,6 +20,9 @@ typedef struct {
   const lt_quantizer *q;
   const lt_hyper *h;
   const lt_io *io;
+  int64_t rows; /* > 0: v holds a factored state's [r (rows), c (n / rows)] */
+  float cbar;   /* their column mean (factored.py) */
+  int32_t unused2;
 } lt_job;
 
 /* 0, or a negative number naming the invalid argument. */
@@ -32,6 +35,7 @@ static int lt_check_job(const lt_job *j) {
                        q->nuniq > q->ncodes || q->ncell < 1))
     return -4;
   if (j->io == 0 || j->h == 0) return -7;
+  if (j->rows < 0 || (j->rows > 0 && j->n % j->rows != 0)) return -8;
   return 0;
 }
 

@@ -69,6 +69,7 @@ typedef struct {
 } lt_hyper;
 
 typedef struct { /* per-thread buffers of `chunk` elements */
+  float *vt;     /* a factored state's v of the sub-chunk */
   float *m;      /* the new momentum (fp32, what the update uses) */
   float *val;    /* m / absmax of each element (the 8-bit lookup input) */
   int32_t *cell; /* lookup cell of each element */
@@ -189,13 +190,38 @@ static void lt_update(float *restrict p, const float *restrict m,
   }
 }
 
-/* One block [s, s + len): both passes. */
+/* A factored second moment (leantrain/optim/factored.py): row factors r, column
+   factors c (already updated for this step) and the column mean cbar. */
+typedef struct {
+  const float *r, *c;
+  int64_t cols;
+  float cbar;
+} lt_factors;
+
+/* v of elements [e0, e0 + len): (r[i] * c[j]) / cbar, two roundings as in torch
+   (0 while cbar is 0), row by row. */
+static void lt_factor_tile(const lt_factors *f, int64_t e0, int64_t len,
+                           float *restrict out) {
+  int64_t i = e0 / f->cols, j = e0 % f->cols, k = 0;
+  while (k < len) {
+    const int64_t run = f->cols - j < len - k ? f->cols - j : len - k;
+    const float ri = f->r[i], cbar = f->cbar;
+    const float *restrict c = f->c + j;
+    if (cbar == 0.0f)
+      memset(out + k, 0, (size_t)run * sizeof(float));
+    else
+      for (int64_t t = 0; t < run; t++) out[k + t] = (ri * c[t]) / cbar;
+    k += run, j = 0, i++;
+  }
+}
+
+/* One block [s, s + len): both passes (fac: a factored state's factors, else 0). */
 static void lt_block(void *param, const void *grad, float *restrict v,
                      float *restrict absmax, uint8_t *restrict codes,
                      float *restrict exp_avg, int64_t n, int64_t b, int64_t s,
                      int64_t len, int per_element_v, int bits, const lt_quantizer *q,
                      const lt_hyper *h, const lt_io *io, int64_t chunk, int32_t zero,
-                     lt_scratch *w) {
+                     const lt_factors *fac, lt_scratch *w) {
   const float *cb = bits ? q->codebook : 0;
   const float amax_old = bits ? absmax[b] : 0.0f;
   const int packed = bits == 4 && io->packed;
@@ -218,7 +244,7 @@ static void lt_block(void *param, const void *grad, float *restrict v,
     }
   }
   float denom = 0.0f;
-  if (!per_element_v) {
+  if (!per_element_v && !fac) {
     const float mean = (float)(sumsq / (double)len);
     const float vb = fmaf(h->omb2, mean, v[b] * h->beta2); /* torch's add_(x, alpha) */
     v[b] = vb;
@@ -243,6 +269,10 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       p = w->p;
     }
     const float *ve = vel ? vel + a : 0;
+    if (fac) {
+      lt_factor_tile(fac, s + a, l, w->vt);
+      ve = w->vt;
+    }
     int updated = 0; /* the 8-bit loops update the parameter as they go */
     if (!bits) {
       memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
@@ -323,7 +353,7 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
   const int nt = nthreads > 1 && ngrabs > 1 ? nthreads : 1;
   /* Buffers staggered by a few cache lines: equal offsets modulo 4 KiB between a
      loaded and a stored stream make the CPU stall on false store-load aliasing. */
-  const size_t c = (size_t)cmax, gap = 320, per = (c * 21 + 6 * gap + 63) / 64 * 64;
+  const size_t c = (size_t)cmax, gap = 320, per = (c * 25 + 7 * gap + 63) / 64 * 64;
   char *arena = malloc(per * (size_t)nt);
   if (arena == 0) {
     free(plan);
@@ -338,7 +368,8 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
     tid = omp_get_thread_num();
 #endif
     char *base = arena + per * (size_t)tid;
-    lt_scratch w = {(float *)base,
+    lt_scratch w = {(float *)(base + 21 * c + 6 * gap),
+                    (float *)base,
                     (float *)(base + 4 * c + gap),
                     (int32_t *)(base + 8 * c + 2 * gap),
                     (uint8_t *)(base + 12 * c + 3 * gap),
@@ -358,12 +389,14 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
       const int64_t u0 = (gi - first[lo]) * pl->grab;
       const int64_t u1 = u0 + pl->grab < pl->nunits ? u0 + pl->grab : pl->nunits;
       const int64_t b_end = u1 * pl->unit < pl->nblocks ? u1 * pl->unit : pl->nblocks;
+      const lt_factors fac = {j->v, j->v + (j->rows > 0 ? j->rows : 0),
+                              j->rows > 0 ? j->n / j->rows : 1, j->cbar};
       for (int64_t b = u0 * pl->unit; b < b_end; b++) {
         const int64_t s = b * j->block;
         const int64_t len = s + j->block <= j->n ? j->block : j->n - s;
         lt_block(j->param, j->grad, j->v, j->absmax, j->codes, j->exp_avg, j->n, b, s,
-                 len, j->period == 1, j->bits, j->q, j->h, j->io, pl->chunk, pl->zero,
-                 &w);
+                 len, j->period == 1 && j->rows == 0, j->bits, j->q, j->h, j->io,
+                 pl->chunk, pl->zero, j->rows > 0 ? &fac : 0, &w);
       }
     }
   }

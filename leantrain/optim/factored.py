@@ -1,0 +1,96 @@
+r"""Gefen's factored second moment (``second_moment="factored"``): pure math.
+
+A parameter with ``ndim >= 2`` is viewed as a matrix of ``R = shape[0]`` rows and
+``C = numel / R`` columns (a conv weight: output channels x the rest). Instead of one
+second moment per contiguous block, it keeps Adafactor's two factors: the EMAs of
+the row means and of the column means of :math:`g^2`,
+
+.. math::
+    r_i \leftarrow \beta_2 r_i + (1-\beta_2)\,\mathrm{mean}_j\, g_{ij}^2, \qquad
+    c_j \leftarrow \beta_2 c_j + (1-\beta_2)\,\mathrm{mean}_i\, g_{ij}^2,
+
+and uses :math:`v_{ij} = r_i c_j / \bar c` (:math:`\bar c` the mean of ``c``; 0 while
+it is 0) in AdamW's update. Why: Gefen's automatic blocks are runs of whole rows, so a
+block mixes the inputs of a layer whatever their scale; the column factor follows each
+input's scale and the row factor each output's (docs/gefen.md, "Factored second
+moment"). The factors cost :math:`4(R+C)` bytes against :math:`4\lceil n/p\rceil` for
+blocks: more on small matrices, less on large ones.
+
+State: ``exp_avg_sq`` holds ``[r, c]`` (fp32, ``R + C``) and ``factored`` (0-dim
+int64) holds ``R``. The momentum's absmax keeps its blocks of ``qblock`` elements.
+Every step path updates the factors before its element loop (the column means need
+the whole gradient; the fast paths share :func:`update_factors`, over bounded chunks
+of rows) and computes each element's ``v`` as ``(r[i] * c[j]) / cbar`` in fp32, two
+separate roundings, as the C kernel does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["factor_shape", "factored_v", "mean_column", "update_factors"]
+
+SECOND_MOMENTS = ("blocks", "factored")
+# Rows per chunk of the factor update: temporaries stay near 2**20 elements.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def factor_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(R, C)`` of a parameter that is factored, or None: fewer than 2 dims, or a
+    side shorter than 2 (a single row or column: factors would say nothing a block
+    does not, at the cost of a per-element statistic)."""
+    if len(shape) < 2:
+        return None
+    rows = int(shape[0])
+    cols = math.prod(shape[1:])
+    if rows < 2 or cols < 2:
+        return None
+    return rows, cols
+
+
+def check_second_moment(value: object) -> None:
+    """Raises ValueError unless ``value`` is "blocks" or "factored"."""
+    if value not in SECOND_MOMENTS:
+        raise ValueError(
+            f"Invalid second_moment: {value!r}; allowed: 'blocks' or 'factored'"
+        )
+
+
+def update_factors(grad: Tensor, factors: Tensor, rows: int, beta2: float) -> None:
+    """One EMA step of the row and column factors (``factors = [r, c]``, in place)
+    from ``grad`` (any float dtype, ``rows * cols`` elements; its sign is irrelevant).
+
+    The sums are float64, over chunks of whole rows, so temporaries stay bounded.
+    """
+    cols = factors.numel() - rows
+    g = grad.reshape(rows, cols)
+    col_sums = torch.zeros(cols, dtype=torch.float64, device=grad.device)
+    row_means = torch.empty(rows, dtype=torch.float32, device=grad.device)
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        sq = g[start : start + step].double().square()
+        row_means[start : start + step] = (sq.sum(1) / cols).float()
+        col_sums += sq.sum(0)
+    factors[:rows].mul_(beta2).add_(row_means, alpha=1 - beta2)
+    factors[rows:].mul_(beta2).add_((col_sums / rows).float(), alpha=1 - beta2)
+
+
+def mean_column(factors: Tensor, rows: int) -> float:
+    """:math:`\\bar c`, the mean of the column factor, as the fp32 value every path
+    divides by."""
+    return float(factors[rows:].double().mean().float())
+
+
+def factored_v(factors: Tensor, rows: int, cbar: float, start: int, end: int) -> Tensor:
+    """``v`` of flat elements ``[start, end)``: ``(r[i] * c[j]) / cbar`` in fp32
+    (zeros while ``cbar`` is 0)."""
+    cols = factors.numel() - rows
+    if cbar == 0.0:
+        return torch.zeros(end - start, device=factors.device)
+    index = torch.arange(start, end, device=factors.device)
+    r, c = factors[:rows], factors[rows:]
+    divisor = torch.tensor(cbar, dtype=torch.float32, device=factors.device)
+    return (r[index // cols] * c[index % cols]) / divisor
