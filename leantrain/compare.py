@@ -39,11 +39,11 @@ from leantrain.models import CNN, GPT, MLP, lm_loss
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
 
 
-def _gefen(bits: int | None) -> OptimizerFactory:
+def _gefen(bits: int | None, second_moment: str = "blocks") -> OptimizerFactory:
     def make(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
         from leantrain.optim import Gefen  # imported late: only when asked for
 
-        return Gefen(params, lr=lr, momentum_bits=bits)
+        return Gefen(params, lr=lr, momentum_bits=bits, second_moment=second_moment)
 
     return make
 
@@ -55,12 +55,16 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "gefen8": _gefen(8),
     "gefen4": _gefen(4),
     "gefen-fp32": _gefen(None),
+    "gefen8-factored": _gefen(8, "factored"),
+    "gefen4-factored": _gefen(4, "factored"),
 }
 OPTIMIZER_LABELS = {
     "adamw": "AdamW",
     "gefen8": "Gefen 8-bit",
     "gefen4": "Gefen 4-bit",
     "gefen-fp32": "Gefen fp32-m",
+    "gefen8-factored": "Gefen 8-bit factored",
+    "gefen4-factored": "Gefen 4-bit factored",
 }
 
 

@@ -176,12 +176,10 @@ def reference_step(
     rows = state.get("factored")
     if rows is not None:  # factored.py: row and column factors, then v per element
         rows = int(rows)
-        sq = grad.reshape(rows, n // rows).double().square()
+        sq = grad.reshape(rows, n // rows).float().square()
         factors = state["exp_avg_sq"]
-        factors[:rows].mul_(beta2).add_(
-            (sq.sum(1) / (n // rows)).float(), alpha=1 - beta2
-        )
-        factors[rows:].mul_(beta2).add_((sq.sum(0) / rows).float(), alpha=1 - beta2)
+        factors[:rows].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
+        factors[rows:].mul_(beta2).add_(sq.mean(0), alpha=1 - beta2)
         cbar = factored.mean_column(factors, rows)
     # Row-major flattening of the logical layout; a non-contiguous parameter is
     # updated in a contiguous copy and written back once at the end.
