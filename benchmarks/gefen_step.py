@@ -10,7 +10,8 @@ during the step, for
 
 * torch AdamW, default (on CPU: the single-tensor loop) and ``fused=True``;
 * Gefen's fused C kernel, 8-bit and 4-bit codes (nearest, and stochastic: the
-  4-bit default) and fp32 momentum, and 8-bit with
+  4-bit default), 8-bit with a factored second moment (the tensor as 1000 columns),
+  fp32 momentum, and 8-bit with
   a bf16 parameter and gradient (stochastic rounding, the bf16 default);
 * Gefen's chunked PyTorch fallback (8-bit), and the reference step (8-bit).
 
@@ -47,7 +48,8 @@ from leantrain.optim import _fused, _native
 from leantrain.optim._state import new_state
 from leantrain.optim._step import reference_step
 from leantrain.optim._torch_step import torch_step
-from leantrain.optim.codebook import histogram, learn_codebook
+from leantrain.optim.codebook import histogram, learn_codebook, with_exact_zero
+from leantrain.optim.factored import factor_shape
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -104,11 +106,22 @@ def learned_codebook(grad: torch.Tensor, period: int, bits: int) -> torch.Tensor
     return learn_codebook(histogram(grad, period), 2**bits)
 
 
-def gefen_case(numel: int, period: int, bits: int | None, step_fn, dtype=torch.float32):
-    param = torch.randn(numel, dtype=dtype)
-    grad = torch.randn(numel, dtype=dtype)
-    cb = learned_codebook(grad.float(), period, bits) if bits else None
-    state = new_state(param, period, bits, cb)
+def gefen_case(
+    numel: int,
+    period: int,
+    bits: int | None,
+    step_fn,
+    dtype=torch.float32,
+    factored: bool = False,
+):
+    shape = (numel // 1000, 1000) if factored else (numel,)  # factored: 1000 columns
+    param = torch.randn(shape, dtype=dtype)
+    grad = torch.randn(shape, dtype=dtype)
+    cb = learned_codebook(grad.float().reshape(-1), period, bits) if bits else None
+    if factored:
+        cb = with_exact_zero(cb)
+    factors = factor_shape(shape) if factored else None
+    state = new_state(param, period, bits, cb, factors)
 
     def step():
         step_fn(param, grad, state, **HYPER, maximize=False)
@@ -205,6 +218,11 @@ def main() -> None:
         (
             "Gefen fused C, 4-bit, stochastic codes",
             lambda: gefen_case(n, p, 4, stochastic_codes_step),
+            False,
+        ),
+        (
+            "Gefen fused C, 8-bit, factored v",
+            lambda: gefen_case(n, p, 8, _fused.fused_step, factored=True),
             False,
         ),
         (
