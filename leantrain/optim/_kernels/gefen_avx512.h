@@ -28,6 +28,33 @@
 #define LT_AHEAD 512
 #endif
 
+/* The momentum step shared by the 8-bit and 4-bit pass-1 loops, on 16 lanes:
+   m = lerp(old, sign * g, w1) stored to m_out; |m| bit patterns folded into *top
+   (max) and g*g into *acc (element k into lane k mod 8, in order). */
+static inline void lt_fold16(__m512 old, const float *restrict g, __m512 v_sign,
+                             __m512 v_wc, int small, float *restrict m_out,
+                             __m512i *top, __m512d *acc) {
+  const __m512i v_abs = _mm512_set1_epi32(0x7fffffff);
+  const __m512 gg = _mm512_loadu_ps(g);
+  const __m512 gk = _mm512_mul_ps(gg, v_sign);
+  const __m512 m = _mm512_fmadd_ps(v_wc, _mm512_sub_ps(gk, old), small ? old : gk);
+  _mm512_storeu_ps(m_out, m);
+  *top = _mm512_max_epu32(*top, _mm512_and_si512(_mm512_castps_si512(m), v_abs));
+  const __m512 g2 = _mm512_mul_ps(gg, gg);
+  *acc = _mm512_add_pd(*acc, _mm512_cvtps_pd(_mm512_castps512_ps256(g2)));
+  *acc = _mm512_add_pd(
+      *acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1))));
+}
+
+/* Stores the lane sums and folds the 16 lane maxima into top[8]. */
+static inline void lt_fold16_done(__m512i v_top, __m512d v_acc, double *acc,
+                                  uint32_t *top) {
+  _mm512_storeu_pd(acc, v_acc);
+  uint32_t lanes[16];
+  _mm512_storeu_si512(lanes, v_top);
+  for (int j = 0; j < 16; j++) top[j & 7] = lanes[j] > top[j & 7] ? lanes[j] : top[j & 7];
+}
+
 /* Pass 1 for unpacked 8-bit codes over the first multiple of 16 of [0, len):
    m_out = lerp(cb[code] * amax_old, sign * g, w1); folds |m| bit patterns into
    top[8] (max) and g*g into acc[8] (element k into lane k mod 8, in order).
@@ -38,7 +65,6 @@ static int64_t lt_momentum8_avx512(const float *restrict g, const uint8_t *restr
                                    float *restrict m_out, double *acc, uint32_t *top) {
   const __m512 v_amax = _mm512_set1_ps(amax_old), v_sign = _mm512_set1_ps(sign);
   const __m512 v_wc = _mm512_set1_ps(wc);
-  const __m512i v_abs = _mm512_set1_epi32(0x7fffffff);
   __m512i v_top = _mm512_setzero_si512();
   __m512d v_acc = _mm512_loadu_pd(acc);
   int64_t k = 0;
@@ -46,20 +72,9 @@ static int64_t lt_momentum8_avx512(const float *restrict g, const uint8_t *restr
     _mm_prefetch((const char *)(g + k + LT_AHEAD), _MM_HINT_T0);
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
     const __m512 old = _mm512_mul_ps(_mm512_i32gather_ps(idx, cb, 4), v_amax);
-    const __m512 gg = _mm512_loadu_ps(g + k);
-    const __m512 gk = _mm512_mul_ps(gg, v_sign);
-    const __m512 m = _mm512_fmadd_ps(v_wc, _mm512_sub_ps(gk, old), small ? old : gk);
-    _mm512_storeu_ps(m_out + k, m);
-    v_top = _mm512_max_epu32(v_top, _mm512_and_si512(_mm512_castps_si512(m), v_abs));
-    const __m512 g2 = _mm512_mul_ps(gg, gg);
-    v_acc = _mm512_add_pd(v_acc, _mm512_cvtps_pd(_mm512_castps512_ps256(g2)));
-    v_acc = _mm512_add_pd(
-        v_acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1))));
+    lt_fold16(old, g + k, v_sign, v_wc, small, m_out + k, &v_top, &v_acc);
   }
-  _mm512_storeu_pd(acc, v_acc);
-  uint32_t lanes[16];
-  _mm512_storeu_si512(lanes, v_top);
-  for (int j = 0; j < 16; j++) top[j & 7] = lanes[j] > top[j & 7] ? lanes[j] : top[j & 7];
+  lt_fold16_done(v_top, v_acc, acc, top);
   return k;
 }
 
@@ -73,7 +88,6 @@ static int64_t lt_momentum4_avx512(const float *restrict g, const uint8_t *restr
   const __m512 table = _mm512_loadu_ps(cb);
   const __m512 v_amax = _mm512_set1_ps(amax_old), v_sign = _mm512_set1_ps(sign);
   const __m512 v_wc = _mm512_set1_ps(wc);
-  const __m512i v_abs = _mm512_set1_epi32(0x7fffffff);
   const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
   __m512i v_top = _mm512_setzero_si512();
@@ -89,20 +103,9 @@ static int64_t lt_momentum4_avx512(const float *restrict g, const uint8_t *restr
     else
       idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
     const __m512 old = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), v_amax);
-    const __m512 gg = _mm512_loadu_ps(g + k);
-    const __m512 gk = _mm512_mul_ps(gg, v_sign);
-    const __m512 m = _mm512_fmadd_ps(v_wc, _mm512_sub_ps(gk, old), small ? old : gk);
-    _mm512_storeu_ps(m_out + k, m);
-    v_top = _mm512_max_epu32(v_top, _mm512_and_si512(_mm512_castps_si512(m), v_abs));
-    const __m512 g2 = _mm512_mul_ps(gg, gg);
-    v_acc = _mm512_add_pd(v_acc, _mm512_cvtps_pd(_mm512_castps512_ps256(g2)));
-    v_acc = _mm512_add_pd(
-        v_acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g2), 1))));
+    lt_fold16(old, g + k, v_sign, v_wc, small, m_out + k, &v_top, &v_acc);
   }
-  _mm512_storeu_pd(acc, v_acc);
-  uint32_t lanes[16];
-  _mm512_storeu_si512(lanes, v_top);
-  for (int j = 0; j < 16; j++) top[j & 7] = lanes[j] > top[j & 7] ? lanes[j] : top[j & 7];
+  lt_fold16_done(v_top, v_acc, acc, top);
   return k;
 }
 
