@@ -256,3 +256,34 @@ def test_low_precision_parameters_match_the_reference(backend, dtype):
     torch.testing.assert_close(mine["exp_avg_sq"], ref["exp_avg_sq"], rtol=1e-6, atol=0)
     torch.testing.assert_close(p_mine.float(), p_ref.float(), rtol=1e-2, atol=1e-3)
     assert int((p_mine != p_ref).sum()) <= 2  # an ulp of the update at a tie
+
+
+def test_dcp_checkpoint_resumes_bit_exactly(tmp_path):
+    """torch.distributed.checkpoint in one process: the template DCP builds (a
+    zero-gradient, lr-0 step) has the factored checkpoint's keys and shapes, and the
+    loaded run continues bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build():
+        model = _mlp()
+        opt = Gefen(
+            model.parameters(), lr=1e-2, momentum_bits=4, second_moment="factored"
+        )
+        return model, opt
+
+    model, opt = build()
+    _train(model, opt, 4)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    twin, twin_opt = build()
+    model_sd, optim_sd = get_state_dict(twin, twin_opt)  # the template
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    set_state_dict(
+        twin, twin_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    _train(model, opt, 3, seed=2)
+    _train(twin, twin_opt, 3, seed=2)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
