@@ -15,6 +15,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from . import code_rounding
 from .quant import (
     NearestCode,
     dequantize_blockwise,
@@ -206,6 +207,8 @@ def muon_step(
     adjust_lr_fn: str | None,
     ns_dtype: torch.dtype,
     nearest: NearestCode | None = None,
+    stochastic_codes: bool = False,
+    seed: int = 0,
 ) -> None:
     r"""One Muon step for one 2-D parameter, in place (fp32 math).
 
@@ -230,6 +233,8 @@ def muon_step(
             adjust_lr_fn: as in :class:`GefenMuon`.
         ns_dtype: dtype of the Newton–Schulz iteration.
         nearest: a quantizer for the state's codebook (built when None).
+        stochastic_codes, seed: 4-bit codes rounded stochastically, keyed by
+            ``code_key(seed, step)`` (:mod:`leantrain.optim.code_rounding`).
     """
     state["step"] += 1
     g = grad.float()
@@ -245,7 +250,12 @@ def muon_step(
         m = m.view(param.shape).lerp_(g, 1 - momentum)
         if nearest is None:
             nearest = NearestCode(codebook)
-        codes, absmax = quantize_blockwise(m.reshape(-1), qblock, nearest)
+        flat = m.reshape(-1)
+        codes, absmax = quantize_blockwise(flat, qblock, nearest)
+        if stochastic_codes and packed:
+            key = code_rounding.code_key(seed, int(state["step"]))
+            each = absmax.repeat_interleave(qblock)[:n]
+            codes = code_rounding.round_blocks(flat, each, codebook, key, 0, codes)
         state["exp_avg_absmax"].copy_(absmax)
         state["exp_avg_codes"].copy_(pack_nibbles(codes) if packed else codes)
         buf = m  # the exact new momentum; only the stored copy is quantized

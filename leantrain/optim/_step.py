@@ -98,13 +98,8 @@ def _store_momentum(
     code, or stochastically with the uniforms of ``key`` (``code_rounding``)."""
     codes, absmax = quantize_blockwise(m, qblock, nearest)
     if key is not None:
-        # an all-zero block keeps the code nearest 0, as with nearest rounding
         amax = per_element(block_absmax(m, qblock), qblock, end - start)
-        u = m / torch.where(amax > 0, amax, torch.ones_like(amax))
-        r = code_rounding.uniform(key, start, end - start, device=m.device)
-        codes = torch.where(
-            amax > 0, code_rounding.stochastic_codes(u, codebook, r), codes
-        )
+        codes = code_rounding.round_blocks(m, amax, codebook, key, start, codes)
     state["exp_avg_absmax"][start // qblock : math.ceil(end / qblock)] = absmax
     if codebook.numel() == 16:
         state["exp_avg_codes"][start // 2 : math.ceil(end / 2)] = pack_nibbles(codes)

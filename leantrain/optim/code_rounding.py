@@ -38,7 +38,13 @@ from torch import Tensor
 
 from .precision import _splitmix64, random_bits, rounding_key
 
-__all__ = ["MOMENTUM_ROUNDINGS", "code_key", "stochastic_codes", "uniform"]
+__all__ = [
+    "MOMENTUM_ROUNDINGS",
+    "code_key",
+    "round_blocks",
+    "stochastic_codes",
+    "uniform",
+]
 
 # Gefen's ``momentum_rounding`` option: "auto" is stochastic for 4-bit codes and
 # nearest for 8-bit ones (docs/gefen.md says why).
@@ -103,3 +109,15 @@ def stochastic_codes(x: Tensor, codebook: Tensor, r: Tensor) -> Tensor:
     for j in range(uniq.numel() - 1):
         index += (x - uniq[j]) > (r * gaps[j])
     return first[index].to(torch.uint8)
+
+
+def round_blocks(
+    m: Tensor, amax: Tensor, codebook: Tensor, key: int, start: int, nearest: Tensor
+) -> Tensor:
+    """Codes of flat momentum ``m`` (elements ``start ..`` of the parameter) whose
+    block absmax, per element, is ``amax``: stochastic where ``amax > 0``; an
+    all-zero block keeps ``nearest`` (the code nearest 0), as nearest rounding does.
+    """
+    u = m / torch.where(amax > 0, amax, torch.ones_like(amax))
+    r = uniform(key, start, m.numel(), device=m.device)
+    return torch.where(amax > 0, stochastic_codes(u, codebook, r), nearest)

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from . import _checks
+from . import _checks, code_rounding
 from ._fused import fused_step
 from ._muon_groups import ADAMW_KEYS, items_of, muon_param_groups, tensor_of
 from ._muon_math import (
@@ -82,6 +82,8 @@ class GefenMuon(Optimizer):
         adjust_lr_fn: None/"original" (``lr * sqrt(max(1, rows/cols))``) or
             "match_rms_adamw" (``0.2 * lr * sqrt(max(rows, cols))``).
         momentum_bits: 8, 4 or None (fp32 momentum), for both sides.
+        momentum_rounding: "auto" (stochastic 4-bit codes, nearest 8-bit ones),
+            "nearest" or "stochastic" (4-bit only), for both sides; as Gefen's.
         partition: Gefen's block length: "auto" (from the first gradient),
             "element", "tensor" or an int. For Muon parameters it sets the momentum
             quantization block (``qblock``); for AdamW ones also the second moment's.
@@ -133,6 +135,7 @@ class GefenMuon(Optimizer):
         adamw_eps: float = 1e-10,
         adamw_weight_decay: float = 0.0,
         nonfinite: str = "skip",
+        momentum_rounding: str = "auto",
     ) -> None:
         check_muon_options(
             lr,
@@ -148,6 +151,7 @@ class GefenMuon(Optimizer):
             adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay
         )
         _checks.check_momentum_bits(momentum_bits)
+        code_rounding.resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
         _checks.check_nonfinite(nonfinite)
         check_ns_dtype(ns_dtype)
@@ -167,6 +171,7 @@ class GefenMuon(Optimizer):
             "adamw_betas": tuple(adamw_betas),
             "adamw_eps": adamw_eps,
             "adamw_weight_decay": adamw_weight_decay,
+            "momentum_rounding": momentum_rounding,
         }
         self.nonfinite = nonfinite
         self.nonfinite_steps = 0
@@ -223,6 +228,9 @@ class GefenMuon(Optimizer):
                     group["lr"], group["betas"], group["eps"], group["weight_decay"]
                 )
             _checks.check_momentum_bits(group["momentum_bits"])
+            code_rounding.resolved(
+                group.get("momentum_rounding", "auto"), group["momentum_bits"]
+            )
             _checks.check_partition(group["partition"])
             check_ns_dtype(group["ns_dtype"])
             for position, param in enumerate(group["params"]):
@@ -315,8 +323,8 @@ class GefenMuon(Optimizer):
                 )
         self._init_states(active)
         nearest: dict[int, NearestCode] = {}  # one quantizer per codebook per step
-        # As in Gefen: a parameter's position keys its rounding streams, and the
-        # AdamW side rounds 4-bit codes stochastically (Gefen's "auto").
+        # As in Gefen: a parameter's position keys its rounding streams, and
+        # momentum_rounding="auto" rounds 4-bit codes stochastically (both sides).
         position = {
             id(p): i
             for i, p in enumerate(p for g in self.param_groups for p in g["params"])
@@ -336,7 +344,7 @@ class GefenMuon(Optimizer):
                     weight_decay=float(group["weight_decay"]),
                     maximize=False,
                     seed=position[id(param)],
-                    stochastic_codes=group["momentum_bits"] == 4,
+                    stochastic_codes=_stochastic_codes(group),
                 )
                 continue
             codebook = state.get("codebook")
@@ -356,8 +364,18 @@ class GefenMuon(Optimizer):
                 adjust_lr_fn=group["adjust_lr_fn"],
                 ns_dtype=group["ns_dtype"] or default_ns_dtype(param.device),
                 nearest=None if codebook is None else nearest[id(codebook)],
+                stochastic_codes=_stochastic_codes(group),
+                seed=position[id(param)],
             )
         return loss
+
+
+def _stochastic_codes(group: dict) -> bool:
+    """Whether a group's 4-bit codes are rounded stochastically (older state dicts
+    have no ``momentum_rounding``: "auto")."""
+    return code_rounding.resolved(
+        group.get("momentum_rounding", "auto"), group["momentum_bits"]
+    )
 
 
 def _label(group: dict, position: int, param: Tensor) -> str:

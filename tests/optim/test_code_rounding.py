@@ -275,3 +275,21 @@ def test_gefen_follows_the_option(rounding):
             n = p.numel()
             diff = codes_of(opt.state[p], n) != codes_of(st, n)
             assert int(diff.sum()) <= 2
+
+
+def test_gefen_muon_option():
+    from leantrain.optim import GefenMuon
+
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="momentum_rounding"):
+        GefenMuon(model.parameters(), momentum_rounding="x")
+    opt = GefenMuon([model.weight], momentum_bits=4)
+    with pytest.raises(ValueError, match="momentum_bits=4"):
+        opt.add_param_group(
+            {
+                "params": [model.bias],
+                "momentum_bits": 8,
+                "momentum_rounding": "stochastic",
+            }
+        )
+    assert len(opt.param_groups) == 1

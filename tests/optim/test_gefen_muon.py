@@ -83,7 +83,11 @@ def test_quantized_momentum_matches_brute_force(bits, partition, kit):
     x, y = kit.make_data()
     model = _matrix_mlp()
     opt = GefenMuon(
-        model.parameters(), lr=0.02, momentum_bits=bits, partition=partition
+        model.parameters(),
+        lr=0.02,
+        momentum_bits=bits,
+        partition=partition,
+        momentum_rounding="nearest",  # the stochastic codes: the test below
     )
     kit.train(model, opt, x, y, 1)  # learns the codebook
     for _ in range(4):
@@ -104,6 +108,37 @@ def test_quantized_momentum_matches_brute_force(bits, partition, kit):
             ).abs()
             assert bool((gap.abs() < 1e-6).all())
             assert int(state["step"]) == int(before[p]["step"]) + 1
+
+
+def test_stochastic_4bit_codes_are_the_rules(kit):
+    """momentum_rounding="auto" with 4-bit codes: each stored code is
+    ``code_rounding.stochastic_codes`` of the brute-force momentum, keyed by the
+    parameter's position and the step (a value within rounding of a threshold may
+    go either way: at most a few per step)."""
+    from leantrain.optim.code_rounding import code_key, stochastic_codes, uniform
+
+    x, y = kit.make_data()
+    model = _matrix_mlp()
+    opt = GefenMuon(model.parameters(), lr=0.02, momentum_bits=4)
+    position = {
+        id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+    }
+    kit.train(model, opt, x, y, 1)
+    flipped = 0
+    for _ in range(4):
+        opt.zero_grad()
+        kit.loss_fn(model, x, y).backward()
+        before = {p: copy.deepcopy(opt.state[p]) for p in model.parameters()}
+        opt.step()
+        for p in model.parameters():
+            nearest, _, normed = _reference_momentum(before[p], p.grad, 0.95, 4)
+            key = code_key(position[id(p)], int(opt.state[p]["step"]))
+            r = uniform(key, 0, p.numel())
+            expected = stochastic_codes(normed, opt.state[p]["codebook"], r).long()
+            got = _unpack(opt.state[p]["exp_avg_codes"], p.numel(), 4)
+            flipped += int((got != expected).sum())
+            assert int((got != nearest).sum()) > 0  # the rounding ran
+    assert flipped <= 4
 
 
 def test_quantized_muon_trains_like_fp32_muon(kit):
