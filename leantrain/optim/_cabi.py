@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._quant_table import QuantTable, quant_table
-from ._torch_step import packed_codes
+from ._state_layout import packed_codes
 
 
 class _Hyper(ctypes.Structure):

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from . import _cabi, _native
-from ._torch_step import state_layout, torch_step
+from ._state_layout import state_layout
+from ._torch_step import torch_step
 from .code_rounding import code_key
 from .factored import mean_column, update_factors
 from .precision import default_stochastic, rounding_key

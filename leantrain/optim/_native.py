@@ -30,7 +30,14 @@ KERNEL_DIR = Path(__file__).parent / "_kernels"
 # One library from all sources: one build, one load, one cache entry.
 SOURCES = ("gefen_step.c", "codebook_dp.c", "finite.c")
 # Included by gefen_step.c: part of the cache key, never compiled on their own.
-HEADERS = ("gefen_codes.h", "gefen_io.h", "gefen_avx512.h", "gefen_job.h")
+HEADERS = (
+    "gefen_codes.h",
+    "gefen_io.h",
+    "gefen_avx512.h",
+    "gefen_job.h",
+    "gefen_sr.h",
+    "gefen_factored.h",
+)
 LIBRARY = "leantrain_kernels"
 # -ffp-contract=off: the kernel writes every fused multiply-add it wants (to round
 # like torch's vectorized ops) and the compiler must not add others.

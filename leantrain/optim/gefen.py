@@ -18,9 +18,10 @@ from torch.optim.optimizer import ParamsT
 
 from . import _checks, _dist, code_rounding
 from . import _reducible_partition as _partition
+from ._first_codebook import learn_first_codebook
 from ._fused_many import StepItem, step_many
-from ._sharded import local_histogram, new_local_state, partial_absmax
-from ._state import check_factored, new_state, qblock_for, state_bits
+from ._sharded import new_local_state
+from ._state import check_factored, new_state, state_bits
 from ._state_dict import (
     LazyLabel,
     group_factors,
@@ -33,9 +34,6 @@ from ._state_dict import label as _label
 from ._straddle import straddle_layout, straddling_step
 
 __all__ = ["Gefen"]
-
-# Histogram bins of the first-gradient codebook (codebook.histogram's default).
-BINS = 4096
 
 
 def block_period(partition: int | str, param: Tensor) -> int:
@@ -266,7 +264,7 @@ class Gefen(Optimizer):
                 for g in self.param_groups
             )
             if codebook is None:
-                codebook = self._learn_codebook(
+                codebook = learn_first_codebook(
                     bits,
                     [
                         (g, p, periods[p])
@@ -301,45 +299,6 @@ class Gefen(Optimizer):
                 self.state[param] = new_state(
                     _dist.local(param), periods[param], bits, codebook, factors
                 )
-
-    @staticmethod
-    def _learn_codebook(
-        bits: int, members: list[tuple[dict, Tensor, int]], exact_zero: bool = False
-    ) -> Tensor:
-        from .codebook import histogram, learn_codebook, with_exact_zero
-
-        counts = torch.zeros(BINS, dtype=torch.float64)
-        sharded = []
-        for group, param, period in members:
-            g = _dist.local(param.grad).reshape(-1).float()
-            if group["maximize"]:
-                g = -g
-            # Normalize by the momentum's own quantization blocks (qblock): the
-            # codebook must fit m / absmax, also for per-element second moments.
-            if _dist.is_sharded(param):
-                sharded.append((param, g, qblock_for(period)))
-            else:
-                counts += histogram(g, qblock_for(period), BINS).cpu()
-        if sharded:
-            # Blocks straddling ranks need their global absmax before anyone
-            # normalizes; the sum of the ranks' histograms is the global one.
-            reduce = _dist.SharedReduce()
-            parts = []
-            for param, g, qblock in sharded:
-                span = _dist.my_span(param)
-                absmax = partial_absmax(g, span, qblock)
-                reduce.add(absmax, span, qblock, _dist.shared_for(param, qblock))
-                parts.append((g, span, qblock, absmax))
-            group = _dist.group_of(sharded[0][0])
-            reduce.run("max", group)
-            local = torch.zeros(BINS, dtype=torch.float64)
-            for g, span, qblock, absmax in parts:
-                local += local_histogram(g, span, qblock, absmax, BINS).cpu()
-            counts += _dist.all_reduce(local, "sum", group)
-        codebook = learn_codebook(counts, 2**bits).to(torch.float32)
-        if exact_zero:
-            codebook = with_exact_zero(codebook)
-        return codebook.to(_dist.local(members[0][1]).device)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

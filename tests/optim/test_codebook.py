@@ -389,17 +389,3 @@ def test_native_declines_what_it_does_not_solve():
     x, c, _ = cbm._prepare(torch.ones(10, dtype=torch.float64), 2)
     assert dp._solve_native(x, c, 2) is None
     assert dp._solve_native(x, c, 12) is None  # 10 bins < k - 1
-
-
-def test_with_exact_zero_moves_only_the_code_nearest_zero():
-    from leantrain.optim.codebook import with_exact_zero
-
-    for cb in (
-        torch.tensor([-1.0, -0.3, 2.4e-4, 0.5, 1.0]),
-        torch.tensor([-1.0, -1e-4, 3e-4, 1.0]),
-        torch.tensor([-1.0, 0.0, 1.0]),
-    ):
-        out = with_exact_zero(cb)
-        assert 0.0 in out.tolist() and bool((out[1:] > out[:-1]).all())
-        assert int((out != cb).sum()) <= 1 and out is not cb
-        assert out[0] == -1 and out[-1] == 1

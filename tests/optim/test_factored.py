@@ -287,3 +287,15 @@ def test_dcp_checkpoint_resumes_bit_exactly(tmp_path):
     _train(twin, twin_opt, 3, seed=2)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_with_exact_zero_moves_only_the_code_nearest_zero():
+    for cb in (
+        torch.tensor([-1.0, -0.3, 2.4e-4, 0.5, 1.0]),
+        torch.tensor([-1.0, -1e-4, 3e-4, 1.0]),
+        torch.tensor([-1.0, 0.0, 1.0]),
+    ):
+        out = with_exact_zero(cb)
+        assert 0.0 in out.tolist() and bool((out[1:] > out[:-1]).all())
+        assert int((out != cb).sum()) <= 1 and out is not cb
+        assert out[0] == -1 and out[-1] == 1

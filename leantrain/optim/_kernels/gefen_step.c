@@ -38,7 +38,8 @@
  * other multiply-add. sqrtf is correctly rounded where torch's vectorized sqrt may
  * be 1 ulp off, so the two can differ by an ulp of the update.
  *
- * Nearest code: see gefen_codes.h; bf16 I/O: gefen_io.h (both included here).
+ * Nearest code: see gefen_codes.h; stochastic 4-bit codes: gefen_sr.h; a factored
+ * second moment's v: gefen_factored.h; bf16 I/O: gefen_io.h (all included here).
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,7 +53,9 @@
 #endif
 
 #include "gefen_codes.h"
+#include "gefen_factored.h"
 #include "gefen_io.h"
+#include "gefen_sr.h"
 
 #define LT_TILE 512       /* elements per L1-resident tile of the 8-bit lookup */
 #define LT_MAX_CHUNK 16384 /* longest sub-chunk: the largest automatic period */
@@ -187,31 +190,6 @@ static void lt_update(float *restrict p, const float *restrict m,
       float w = p[k] * decay;
       p[k] = w - (ss * m[k]) / denom;
     }
-  }
-}
-
-/* A factored second moment (leantrain/optim/factored.py): row factors r, column
-   factors c (already updated for this step) and the column mean cbar. */
-typedef struct {
-  const float *r, *c;
-  int64_t cols;
-  float cbar;
-} lt_factors;
-
-/* v of elements [e0, e0 + len): (r[i] * c[j]) / cbar, two roundings as in torch
-   (0 while cbar is 0), row by row. */
-static void lt_factor_tile(const lt_factors *f, int64_t e0, int64_t len,
-                           float *restrict out) {
-  int64_t i = e0 / f->cols, j = e0 % f->cols, k = 0;
-  while (k < len) {
-    const int64_t run = f->cols - j < len - k ? f->cols - j : len - k;
-    const float ri = f->r[i], cbar = f->cbar;
-    const float *restrict c = f->c + j;
-    if (cbar == 0.0f)
-      memset(out + k, 0, (size_t)run * sizeof(float));
-    else
-      for (int64_t t = 0; t < run; t++) out[k + t] = (ri * c[t]) / cbar;
-    k += run, j = 0, i++;
   }
 }
 

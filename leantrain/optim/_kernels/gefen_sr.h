@@ -1,0 +1,136 @@
+/*
+ * Stochastic rounding of Gefen's 4-bit momentum codes (included by gefen_step.c
+ * after gefen_codes.h; leantrain/optim/code_rounding.py is the reference: the same
+ * bits).
+ */
+#ifndef LT_GEFEN_SR_H
+#define LT_GEFEN_SR_H
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "gefen_codes.h" /* lt_quantizer, lt_take16 */
+#include "gefen_io.h"    /* lt_hash: the random bits */
+
+/* 4-bit codes rounded stochastically (leantrain/optim/code_rounding.py is the
+   reference: the same bits). With the distinct values u_j, gaps d_j = u_{j+1} - u_j
+   and a uniform r in [0, 1) per element (the top 24 bits of lt_hash of its global
+   index i0 + k on the code key), the reference's value index
+   #{j : fl(x - u_j) > fl(r * d_j)} equals i + [fl(x - u_i) > fl(r * d_i)] with
+   i = #{j >= 1 : x >= u_j} (every u_j below x's interval [u_i, u_{i+1}) counts in
+   the reference, none above it), which is what is computed here: 15 compares, then
+   one random test on permuted table entries. Tables are padded with u = +inf,
+   d = 0 (never counted). */
+static inline uint32_t lt_code_bits(uint64_t i, uint64_t key) {
+  return lt_hash(i, key) >> 8; /* 24 bits: r = bits * 2^-24 */
+}
+
+static void lt_lookup16_sr(const lt_quantizer *q, const float *restrict m, float amax,
+                           int64_t len, uint64_t i0, uint64_t key,
+                           uint8_t *restrict code) {
+  float u[16], d[16];
+  int32_t first[16];
+  for (int j = 0; j < 16; j++) {
+    first[j] = q->first[j < q->nuniq ? j : q->nuniq - 1];
+    u[j] = j < q->nuniq ? q->codebook[first[j]] : INFINITY;
+  }
+  for (int j = 0; j < 16; j++) d[j] = j < q->nuniq - 1 ? u[j + 1] - u[j] : 0.0f;
+  int64_t k = 0;
+#ifdef __AVX512F__
+  {
+    const uint32_t k_lo = (uint32_t)key, k_hi = (uint32_t)(key >> 32);
+    const __m512 am = _mm512_set1_ps(amax), scale = _mm512_set1_ps(0x1p-24f);
+    const __m512 tu = _mm512_loadu_ps(u), td = _mm512_loadu_ps(d);
+    const __m512i f = _mm512_loadu_si512(first), one = _mm512_set1_epi32(1);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                           14, 15);
+    const __m512i c1 = _mm512_set1_epi32((int)0x85ebca6bu);
+    const __m512i c2 = _mm512_set1_epi32((int)0xc2b2ae35u);
+    for (; k + 16 <= len; k += 16) {
+      const uint64_t base = i0 + (uint64_t)k;
+      const __m512i b_lo = _mm512_set1_epi32((int)(uint32_t)base);
+      const __m512i lo = _mm512_add_epi32(b_lo, lane); /* wraps like uint32 */
+      __m512i hi = _mm512_set1_epi32((int)(uint32_t)(base >> 32));
+      hi = _mm512_mask_add_epi32(hi, _mm512_cmp_epu32_mask(lo, b_lo, _MM_CMPINT_LT), hi,
+                                 one); /* the carry into the high word */
+      __m512i h = _mm512_xor_si512(lo, _mm512_set1_epi32((int)k_lo));
+      for (int round = 0; round < 2; round++) {
+        if (round) h = _mm512_xor_si512(_mm512_xor_si512(h, hi), _mm512_set1_epi32((int)k_hi));
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+        h = _mm512_mullo_epi32(h, c1);
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+        h = _mm512_mullo_epi32(h, c2);
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+      }
+      const __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), scale);
+      const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), am);
+      __m512i i = _mm512_setzero_si512();
+      for (int j = 1; j < 16; j++)
+        i = _mm512_mask_add_epi32(
+            i, _mm512_cmp_ps_mask(x, _mm512_set1_ps(u[j]), _CMP_GE_OQ), i, one);
+      const __m512 t = _mm512_sub_ps(x, _mm512_permutexvar_ps(i, tu));
+      const __m512 s = _mm512_mul_ps(r, _mm512_permutexvar_ps(i, td));
+      i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(t, s, _CMP_GT_OQ), i, one);
+      _mm_storeu_si128((__m128i *)(code + k),
+                       _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(i, f)));
+    }
+  }
+#endif
+#ifdef __AVX2__
+  {
+    const uint32_t k_lo = (uint32_t)key, k_hi = (uint32_t)(key >> 32);
+    const __m256 am = _mm256_set1_ps(amax), scale = _mm256_set1_ps(0x1p-24f);
+    const __m256 u_lo = _mm256_loadu_ps(u), u_hi = _mm256_loadu_ps(u + 8);
+    const __m256 d_lo = _mm256_loadu_ps(d), d_hi = _mm256_loadu_ps(d + 8);
+    const __m256 f_lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)first));
+    const __m256 f_hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(first + 8)));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    const __m256i c1 = _mm256_set1_epi32((int)0x85ebca6bu);
+    const __m256i c2 = _mm256_set1_epi32((int)0xc2b2ae35u);
+    for (; k + 8 <= len; k += 8) {
+      const uint64_t base = i0 + (uint64_t)k;
+      const __m256i b_lo = _mm256_set1_epi32((int)(uint32_t)base);
+      const __m256i lo = _mm256_add_epi32(b_lo, lane);
+      /* carry into the high word where lo wrapped: lo < b_lo unsigned (compare with
+         the sign bits flipped); a true compare is -1, so subtract it */
+      const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(b_lo, sign),
+                                               _mm256_xor_si256(lo, sign));
+      const __m256i hi = _mm256_sub_epi32(_mm256_set1_epi32((int)(uint32_t)(base >> 32)), carry);
+      __m256i h = _mm256_xor_si256(lo, _mm256_set1_epi32((int)k_lo));
+      for (int round = 0; round < 2; round++) {
+        if (round) h = _mm256_xor_si256(_mm256_xor_si256(h, hi), _mm256_set1_epi32((int)k_hi));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        h = _mm256_mullo_epi32(h, c1);
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+        h = _mm256_mullo_epi32(h, c2);
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+      }
+      const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), scale);
+      const __m256 x = _mm256_div_ps(_mm256_loadu_ps(m + k), am);
+      __m256i i = _mm256_setzero_si256();
+      for (int j = 1; j < 16; j++)
+        i = _mm256_sub_epi32(
+            i, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_set1_ps(u[j]), _CMP_GE_OQ)));
+      const __m256 t = _mm256_sub_ps(x, lt_take16(u_lo, u_hi, i));
+      const __m256 s = _mm256_mul_ps(r, lt_take16(d_lo, d_hi, i));
+      i = _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(t, s, _CMP_GT_OQ)));
+      const __m256i c = _mm256_castps_si256(lt_take16(f_lo, f_hi, i));
+      const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      _mm_storel_epi64((__m128i *)(code + k), _mm_packus_epi16(c16, c16));
+    }
+  }
+#endif
+  for (; k < len; k++) {
+    const float x = m[k] / amax;
+    const float r = (float)lt_code_bits(i0 + (uint64_t)k, key) * 0x1p-24f;
+    int32_t i = 0;
+    for (int j = 1; j < 16; j++) i += x >= u[j];
+    i += (x - u[i]) > r * d[i];
+    code[k] = (uint8_t)first[i];
+  }
+}
+
+#endif /* LT_GEFEN_SR_H */
