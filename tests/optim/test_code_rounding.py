@@ -224,14 +224,18 @@ def test_eight_bit_codes_refuse_stochastic_rounding():
     assert float(state["step"]) == 0  # nothing changed
 
 
-def test_gefen_option():
+@pytest.mark.parametrize("name", ["Gefen", "GefenMuon"])
+def test_option_is_validated(name):
+    from leantrain import optim
+
+    cls = getattr(optim, name)
     model = torch.nn.Linear(8, 4)
     for bad in ["up", 4, None]:
         with pytest.raises(ValueError, match="momentum_rounding"):
-            Gefen(model.parameters(), momentum_bits=4, momentum_rounding=bad)
+            cls(model.parameters(), momentum_bits=4, momentum_rounding=bad)
     with pytest.raises(ValueError, match="momentum_bits=4"):
-        Gefen(model.parameters(), momentum_rounding="stochastic")
-    opt = Gefen([model.weight], momentum_bits=4)
+        cls(model.parameters(), momentum_rounding="stochastic")  # 8-bit default
+    opt = cls([model.weight], momentum_bits=4)
     with pytest.raises(ValueError, match="momentum_bits=4"):
         opt.add_param_group(
             {
@@ -275,21 +279,3 @@ def test_gefen_follows_the_option(rounding):
             n = p.numel()
             diff = codes_of(opt.state[p], n) != codes_of(st, n)
             assert int(diff.sum()) <= 2
-
-
-def test_gefen_muon_option():
-    from leantrain.optim import GefenMuon
-
-    model = torch.nn.Linear(8, 8)
-    with pytest.raises(ValueError, match="momentum_rounding"):
-        GefenMuon(model.parameters(), momentum_rounding="x")
-    opt = GefenMuon([model.weight], momentum_bits=4)
-    with pytest.raises(ValueError, match="momentum_bits=4"):
-        opt.add_param_group(
-            {
-                "params": [model.bias],
-                "momentum_bits": 8,
-                "momentum_rounding": "stochastic",
-            }
-        )
-    assert len(opt.param_groups) == 1
