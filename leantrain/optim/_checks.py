@@ -110,9 +110,9 @@ def check_group(group: dict) -> None:
         group["lr"], group["betas"], group["eps"], group["weight_decay"]
     )
     check_momentum_bits(group["momentum_bits"])
-    from .code_rounding import resolved  # checks momentum_rounding against the bits
+    from .code_rounding import group_stochastic
 
-    resolved(group.get("momentum_rounding", "auto"), group["momentum_bits"])
+    group_stochastic(group)  # checks momentum_rounding against the bits
     check_partition(group["partition"])
     check_second_moment(group.get("second_moment", "blocks"), group["partition"])
     if not isinstance(group["maximize"], bool):

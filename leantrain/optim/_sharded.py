@@ -178,18 +178,13 @@ def finish_step(
         scale = torch.where(amax > 0, amax, torch.ones_like(amax))
         head = span.start % qblock
         u = (padded_rows(m, span, qblock) / scale[:, None]).view(-1)
-        u = u[head : head + n]
-        codes = nearest_code(codebook)(u)
+        codes = nearest_code(codebook)(u[head : head + n])
         if stochastic_codes and codebook.numel() == 16:
             key = code_rounding.code_key(seed, int(state["step"]))
-            r = code_rounding.uniform(key, span.start, n, device=u.device)
-            each = (
-                padded_rows(torch.zeros(n, device=u.device), span, qblock)
-                + amax[:, None]
-            )
-            positive = each.view(-1)[head : head + n] > 0
-            codes = torch.where(
-                positive, code_rounding.stochastic_codes(u, codebook, r), codes
+            each = padded_rows(torch.zeros(n, device=m.device), span, qblock)
+            each = (each + amax[:, None]).view(-1)[head : head + n]
+            codes = code_rounding.round_blocks(
+                m, each, codebook, key, span.start, codes
             )
         packed = pack_nibbles(codes) if codebook.numel() == 16 else codes
         state["exp_avg_codes"].copy_(packed)  # the update uses the exact m

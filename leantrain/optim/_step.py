@@ -186,14 +186,14 @@ def reference_step(
         g = flat_grad[start:end].float()
         if maximize:
             g = -g
-        # (B,) second moment per block of this chunk; chunks start on a block.
-        v = state["exp_avg_sq"][start // period : math.ceil(end / period)]
-        if rows is not None:
+        if rows is not None:  # v per element, from the factors
             v = factored.factored_v(factors, rows, cbar, start, end)
-        elif period == 1:  # the same ops as torch's AdamW, so "element" matches it
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        else:
-            v.mul_(beta2).add_(block_mean_square(g, period), alpha=1 - beta2)
+        else:  # (B,) second moment per block of this chunk; chunks start on a block
+            v = state["exp_avg_sq"][start // period : math.ceil(end / period)]
+            if period == 1:  # the same ops as torch's AdamW: "element" matches it
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            else:
+                v.mul_(beta2).add_(block_mean_square(g, period), alpha=1 - beta2)
         w = flat_param[start:end]
         w32 = w if w.dtype == torch.float32 else w.float()
         w32.mul_(1 - lr * weight_decay)

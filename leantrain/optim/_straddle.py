@@ -59,9 +59,6 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
         items, begun, strict=True
     ):
         beta1, beta2 = group["betas"]
-        stochastic = code_rounding.resolved(
-            group.get("momentum_rounding", "auto"), group["momentum_bits"]
-        )
         finish_step(
             param.to_local(),
             states[param],
@@ -75,6 +72,6 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
             beta2=float(beta2),
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
-            stochastic_codes=stochastic,
+            stochastic_codes=code_rounding.group_stochastic(group),
             seed=seed,
         )

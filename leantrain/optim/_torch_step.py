@@ -93,11 +93,7 @@ def _quantize(
     x = torch.where(amax > 0, m / amax, torch.zeros_like(m))
     index = nearest_index(x, table)
     if r is not None:
-        # the same comparisons as code_rounding.stochastic_codes, on the table
-        above = torch.zeros_like(index)
-        gaps = table.uniq[1:] - table.uniq[:-1]
-        for j in range(gaps.numel()):
-            above += (x - table.uniq[j]) > (r * gaps[j])
+        above = code_rounding.stochastic_index(x, table.uniq, r)
         index = torch.where(amax > 0, above, index)
     return table.first[index]
 

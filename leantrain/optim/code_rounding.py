@@ -41,8 +41,10 @@ from .precision import _splitmix64, random_bits, rounding_key
 __all__ = [
     "MOMENTUM_ROUNDINGS",
     "code_key",
+    "group_stochastic",
     "round_blocks",
     "stochastic_codes",
+    "stochastic_index",
     "uniform",
 ]
 
@@ -103,12 +105,23 @@ def stochastic_codes(x: Tensor, codebook: Tensor, r: Tensor) -> Tensor:
     cb = codebook.to(device=x.device, dtype=torch.float32)
     uniq, counts = torch.unique_consecutive(cb, return_counts=True)
     first = torch.cumsum(counts, 0) - counts
+    return first[stochastic_index(x.float(), uniq, r.float())].to(torch.uint8)
+
+
+def stochastic_index(x: Tensor, uniq: Tensor, r: Tensor) -> Tensor:
+    """The rule's value index (int64) of fp32 ``x`` into the distinct, ascending
+    fp32 values ``uniq``, with uniforms ``r``: one comparison per gap."""
     gaps = uniq[1:] - uniq[:-1]
-    x, r = x.float(), r.float()
     index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
-    for j in range(uniq.numel() - 1):
+    for j in range(gaps.numel()):
         index += (x - uniq[j]) > (r * gaps[j])
-    return first[index].to(torch.uint8)
+    return index
+
+
+def group_stochastic(group: dict) -> bool:
+    """Whether a param group's codes are rounded stochastically (a group loaded
+    from a checkpoint older than ``momentum_rounding`` has none: "auto")."""
+    return resolved(group.get("momentum_rounding", "auto"), group["momentum_bits"])
 
 
 def round_blocks(

@@ -70,14 +70,6 @@ def block_period(partition: int | str, param: Tensor) -> int:
     return period
 
 
-def _stochastic_codes(group: dict) -> bool:
-    """Whether a group's codes are rounded stochastically (a group loaded from a
-    checkpoint older than the option has none: "auto")."""
-    return code_rounding.resolved(
-        group.get("momentum_rounding", "auto"), group["momentum_bits"]
-    )
-
-
 class Gefen(Optimizer):
     r"""AdamW with a block-shared second moment and a codebook-quantized momentum.
 
@@ -363,7 +355,7 @@ class Gefen(Optimizer):
                     maximize=group["maximize"],
                     stochastic_rounding=group.get("stochastic_rounding"),
                     seed=seed,
-                    stochastic_codes=_stochastic_codes(group),
+                    stochastic_codes=code_rounding.group_stochastic(group),
                     index0=_dist.my_span(param).start if _dist.is_sharded(param) else 0,
                 )
             )

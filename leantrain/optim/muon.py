@@ -228,9 +228,7 @@ class GefenMuon(Optimizer):
                     group["lr"], group["betas"], group["eps"], group["weight_decay"]
                 )
             _checks.check_momentum_bits(group["momentum_bits"])
-            code_rounding.resolved(
-                group.get("momentum_rounding", "auto"), group["momentum_bits"]
-            )
+            code_rounding.group_stochastic(group)  # validates momentum_rounding
             _checks.check_partition(group["partition"])
             check_ns_dtype(group["ns_dtype"])
             for position, param in enumerate(group["params"]):
@@ -344,7 +342,7 @@ class GefenMuon(Optimizer):
                     weight_decay=float(group["weight_decay"]),
                     maximize=False,
                     seed=position[id(param)],
-                    stochastic_codes=_stochastic_codes(group),
+                    stochastic_codes=code_rounding.group_stochastic(group),
                 )
                 continue
             codebook = state.get("codebook")
@@ -364,18 +362,10 @@ class GefenMuon(Optimizer):
                 adjust_lr_fn=group["adjust_lr_fn"],
                 ns_dtype=group["ns_dtype"] or default_ns_dtype(param.device),
                 nearest=None if codebook is None else nearest[id(codebook)],
-                stochastic_codes=_stochastic_codes(group),
+                stochastic_codes=code_rounding.group_stochastic(group),
                 seed=position[id(param)],
             )
         return loss
-
-
-def _stochastic_codes(group: dict) -> bool:
-    """Whether a group's 4-bit codes are rounded stochastically (older state dicts
-    have no ``momentum_rounding``: "auto")."""
-    return code_rounding.resolved(
-        group.get("momentum_rounding", "auto"), group["momentum_bits"]
-    )
 
 
 def _label(group: dict, position: int, param: Tensor) -> str:
