@@ -7,10 +7,10 @@ tensors), and prints the validation loss of each as a ratio to AdamW's (same run
 
 Run: ``python benchmarks/gefen_quality.py`` (200 steps, lr 2e-3, about 2 minutes per
 variant on one idle core); ``--variants adamw,fp32:auto,8:auto`` picks variants,
-``BITS:PARTITION[:1d-element][:nearest|:stochastic][:factored]``, BITS in fp32/8/4,
-PARTITION auto/element/tensor/INT; ``nearest``/``stochastic`` set
-``momentum_rounding`` (default "auto") and ``factored`` sets
-``second_moment="factored"``.
+``BITS:PARTITION[:1d-element][:nearest|:stochastic][:blocks|:factored]``, BITS in
+fp32/8/4, PARTITION auto/element/tensor/INT; ``nearest``/``stochastic`` set
+``momentum_rounding`` (default "auto") and ``blocks``/``factored`` set
+``second_moment`` (default "auto": factored for 4-bit, blocks for 8-bit).
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def make_optimizer(
         if rounding in extra:
             extra.remove(rounding)
             options["momentum_rounding"] = rounding
-    if "factored" in extra:
-        extra.remove("factored")
-        options["second_moment"] = "factored"
+    for second_moment in ("blocks", "factored"):
+        if second_moment in extra:
+            extra.remove(second_moment)
+            options["second_moment"] = second_moment
     if extra == ["1d-element"]:
         one = [p for p in model.parameters() if p.ndim == 1]
         rest = [p for p in model.parameters() if p.ndim != 1]

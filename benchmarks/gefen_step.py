@@ -10,7 +10,8 @@ during the step, for
 
 * torch AdamW, default (on CPU: the single-tensor loop) and ``fused=True``;
 * Gefen's fused C kernel, 8-bit and 4-bit codes (nearest, and stochastic: the
-  4-bit default), 8-bit with a factored second moment (the tensor as 1000 columns),
+  4-bit default), 8-bit and 4-bit stochastic with a factored second moment (the
+  tensor as 1000 columns),
   fp32 momentum, and 8-bit with
   a bf16 parameter and gradient (stochastic rounding, the bf16 default);
 * Gefen's chunked PyTorch fallback (8-bit), and the reference step (8-bit).
@@ -223,6 +224,11 @@ def main() -> None:
         (
             "Gefen fused C, 8-bit, factored v",
             lambda: gefen_case(n, p, 8, _fused.fused_step, factored=True),
+            False,
+        ),
+        (
+            "Gefen fused C, 4-bit, stochastic, factored v",
+            lambda: gefen_case(n, p, 4, stochastic_codes_step, factored=True),
             False,
         ),
         (

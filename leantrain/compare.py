@@ -39,7 +39,7 @@ from leantrain.models import CNN, GPT, MLP, lm_loss
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
 
 
-def _gefen(bits: int | None, second_moment: str = "blocks") -> OptimizerFactory:
+def _gefen(bits: int | None, second_moment: str = "auto") -> OptimizerFactory:
     def make(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
         from leantrain.optim import Gefen  # imported late: only when asked for
 
@@ -56,15 +56,15 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "gefen4": _gefen(4),
     "gefen-fp32": _gefen(None),
     "gefen8-factored": _gefen(8, "factored"),
-    "gefen4-factored": _gefen(4, "factored"),
+    "gefen4-blocks": _gefen(4, "blocks"),
 }
 OPTIMIZER_LABELS = {
     "adamw": "AdamW",
     "gefen8": "Gefen 8-bit",
     "gefen4": "Gefen 4-bit",
     "gefen-fp32": "Gefen fp32-m",
-    "gefen8-factored": "Gefen 8-bit factored",
-    "gefen4-factored": "Gefen 4-bit factored",
+    "gefen8-factored": "Gefen 8-bit, factored v",
+    "gefen4-blocks": "Gefen 4-bit, blocks v",
 }
 
 

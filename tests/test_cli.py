@@ -128,7 +128,7 @@ def test_compare_cnn_on_a_png_folder(tmp_path, capsys):
 
 def test_registry_names():
     assert {"adamw", "gefen8", "gefen4", "gefen-fp32"} <= set(OPTIMIZERS)
-    assert {"gefen8-factored", "gefen4-factored"} <= set(OPTIMIZERS)
+    assert {"gefen8-factored", "gefen4-blocks"} <= set(OPTIMIZERS)
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ def check_partition(partition: object) -> None:
 
 
 def check_second_moment(value: object, partition: object) -> None:
-    """Checks ``second_moment`` is "blocks" or "factored", and not "factored" with
+    """Checks ``second_moment`` is "auto", "blocks" or "factored", not "factored" with
     ``partition="element"`` (which asks for AdamW's per-element second moment)."""
     from .factored import check_second_moment as check_name
 

@@ -15,19 +15,17 @@ from .codebook import histogram, learn_codebook, with_exact_zero
 BINS = 4096
 
 
-def learn_first_codebook(
-    bits: int, members: list[tuple[dict, Tensor, int]], exact_zero: bool = False
-) -> Tensor:
+def learn_first_codebook(bits: int, members: list[tuple[dict, Tensor, int]]) -> Tensor:
     """The shared codebook of ``bits`` from the first gradients of ``members``
     ((group, parameter, period) triples): their histograms of g / block absmax
     (qblock blocks, global ones under FSDP2), summed, fed to the exact 1-D k-means;
-    with ``exact_zero`` its code nearest 0 then moved to 0
-    (``codebook.with_exact_zero``: an optimizer with factored groups)."""
+    its code nearest 0 then moved to 0 (``codebook.with_exact_zero``), so that a
+    momentum that is exactly 0 is stored exactly and stays 0."""
     counts = torch.zeros(BINS, dtype=torch.float64)
     sharded = []
     for group, param, period in members:
         g = _dist.local(param.grad).reshape(-1).float()
-        if group["maximize"]:
+        if group.get("maximize", False):  # GefenMuon has no maximize
             g = -g
         # Normalize by the momentum's own quantization blocks (qblock): the
         # codebook must fit m / absmax, also for per-element second moments.
@@ -51,7 +49,5 @@ def learn_first_codebook(
         for g, span, qblock, absmax in parts:
             local += local_histogram(g, span, qblock, absmax, BINS).cpu()
         counts += _dist.all_reduce(local, "sum", group)
-    codebook = learn_codebook(counts, 2**bits).to(torch.float32)
-    if exact_zero:
-        codebook = with_exact_zero(codebook)
+    codebook = with_exact_zero(learn_codebook(counts, 2**bits).to(torch.float32))
     return codebook.to(_dist.local(members[0][1]).device)

@@ -276,10 +276,10 @@ def with_exact_zero(codebook: Tensor) -> Tensor:
     always been 0: an input that is never lit, a dead unit) with the code nearest 0.
     Unless that code *is* 0, the stored value never decays: it stays about that
     code times the block absmax for ever. With blocks that residue is harmless
-    (measured: no change in quality), but a factored second moment divides it by
-    that weight's own tiny statistic (docs/gefen.md, "Factored second moment"), so
-    an optimizer with factored groups uses a codebook with an exact 0, as NF4 has.
-    Order is kept: no other code lies between the moved code and 0.
+    (measured: no change in quality), but a factored or per-element second moment
+    divides it by that weight's own tiny statistic (docs/gefen.md, "An exact 0
+    code"), so Gefen's learned codebooks always get an exact 0, as NF4 has. Order is
+    kept: no other code lies between the moved code and 0.
     """
     out = codebook.clone()
     out[int(torch.argmin(out.abs()))] = 0.0

@@ -33,7 +33,7 @@ from torch import Tensor
 
 __all__ = ["factor_shape", "factored_v", "mean_column", "update_factors"]
 
-SECOND_MOMENTS = ("blocks", "factored")
+SECOND_MOMENTS = ("auto", "blocks", "factored")
 # Rows per chunk of the factor update: temporaries stay near 2**20 elements.
 _CHUNK_ELEMENTS = 1 << 20
 
@@ -52,10 +52,10 @@ def factor_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
 
 
 def check_second_moment(value: object) -> None:
-    """Raises ValueError unless ``value`` is "blocks" or "factored"."""
+    """Raises ValueError unless ``value`` is "auto", "blocks" or "factored"."""
     if value not in SECOND_MOMENTS:
         raise ValueError(
-            f"Invalid second_moment: {value!r}; allowed: 'blocks' or 'factored'"
+            f"Invalid second_moment: {value!r}; allowed: 'auto', 'blocks' or 'factored'"
         )
 
 

@@ -27,6 +27,7 @@ from ._state_dict import (
     group_factors,
     load_post_hook,
     load_pre_hook,
+    second_moment_of,
     state_dict_post_hook,
 )
 from ._state_dict import fresh as _fresh
@@ -70,6 +71,13 @@ def block_period(partition: int | str, param: Tensor) -> int:
     return period
 
 
+def _own_v(group: dict, param: Tensor) -> bool:
+    """True when every weight of ``param`` gets a second moment of its own."""
+    return (
+        second_moment_of(group, param) == "factored" or group["partition"] == "element"
+    )
+
+
 class Gefen(Optimizer):
     r"""AdamW with a block-shared second moment and a codebook-quantized momentum.
 
@@ -106,14 +114,17 @@ class Gefen(Optimizer):
             8-bit ones). The random bits are keyed like ``stochastic_rounding``'s,
             on a stream of their own. May be set per param group; no effect on fp32
             momentum. See docs/gefen.md.
-        second_moment: "blocks" (one second moment per block of ``partition``) or
+        second_moment: "blocks" (one second moment per block of ``partition``),
             "factored" (for parameters with two or more dims, Adafactor's row and
             column factors of :math:`g^2`, viewed as ``shape[0] x rest``; the
-            momentum's absmax keeps its blocks; 1-D parameters keep blocks). Closes
-            most of the gap to AdamW where a layer's inputs have very different
-            scales (an MLP on raw pixels: 1.22x -> 1.035x AdamW's loss), for
-            4 (R + C) bytes per R x C matrix. Not for FSDP2-sharded parameters.
-            May be set per param group. See docs/gefen.md.
+            momentum's absmax keeps its blocks; 1-D parameters keep blocks) or
+            "auto": factored for 4-bit momentum with ``partition="auto"``, blocks
+            otherwise (and for FSDP2-sharded parameters, which cannot factor yet).
+            Factors close most of the gap to AdamW where a layer's inputs have very
+            different scales (an MLP on raw pixels: 1.22x -> 1.035x AdamW's loss),
+            for 4 (R + C) bytes per R x C matrix, which fits the 4-bit budget but
+            not the 8-bit one on small models. May be set per param group. See
+            docs/gefen.md.
 
     Raises:
         ValueError: an invalid hyper-parameter, naming the value.
@@ -145,7 +156,7 @@ class Gefen(Optimizer):
         nonfinite: str = "skip",
         stochastic_rounding: bool | None = None,
         momentum_rounding: str = "auto",
-        second_moment: str = "blocks",
+        second_moment: str = "auto",
     ) -> None:
         _checks.check_hyperparameters(lr, betas, eps, weight_decay)
         _checks.check_momentum_bits(momentum_bits)
@@ -244,17 +255,13 @@ class Gefen(Optimizer):
                 raise ValueError(
                     f"second_moment='factored' is not supported for FSDP2-sharded "
                     f"parameters (shape {tuple(param.shape)}: its column factor would "
-                    "span every rank); use second_moment='blocks' for this group"
+                    "span every rank); use second_moment='auto' or 'blocks' for this "
+                    "group"
                 )
         periods = {p: block_period(g["partition"], p) for g, p in fresh}
         codebooks: dict[int, Tensor] = {}
         for bits in {g["momentum_bits"] for g, _ in fresh} - {None}:
             codebook = self._codebook(bits)
-            # A factored second moment needs an exact 0 code (codebook.with_exact_zero)
-            factored = any(
-                g.get("second_moment") == "factored" and g["momentum_bits"] == bits
-                for g in self.param_groups
-            )
             if codebook is None:
                 codebook = learn_first_codebook(
                     bits,
@@ -263,14 +270,18 @@ class Gefen(Optimizer):
                         for g, p in fresh
                         if g["momentum_bits"] == bits
                     ],
-                    exact_zero=factored,
                 )
-            elif factored and 0.0 not in codebook.tolist():
+            elif 0.0 not in codebook.tolist() and any(
+                _own_v(g, p) and g["momentum_bits"] == bits for g, p in fresh
+            ):
+                # Codebooks learned before leantrain moved a code to exactly 0
+                # (codebook.with_exact_zero) come back from old checkpoints; a
+                # second moment of each weight's own divides their 0 residue by ~0.
                 raise ValueError(
-                    f"a param group with second_moment='factored' got its first "
-                    f"gradient after the {bits}-bit codebook was learned without an "
-                    "exact 0 code (no factored group existed then); add factored "
-                    "groups before the first step"
+                    f"second_moment='factored' and partition='element' need a "
+                    f"{bits}-bit codebook with an exact 0 code, and this optimizer's "
+                    "(from an older checkpoint) has none; use the default blocks for "
+                    "this group"
                 )
             codebooks[bits] = codebook
         for group, param in fresh:
@@ -324,7 +335,7 @@ class Gefen(Optimizer):
                 check_factored(
                     state,
                     tuple(param.shape),
-                    group.get("second_moment", "blocks"),
+                    second_moment_of(group, param, state),
                     label,
                 )
         self._init_states(active)

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from . import _checks, code_rounding
+from ._first_codebook import learn_first_codebook
 from ._fused import fused_step
 from ._muon_groups import ADAMW_KEYS, items_of, muon_param_groups, tensor_of
 from ._muon_math import (
@@ -34,7 +35,7 @@ from ._muon_math import (
     newton_schulz_reference,
 )
 from ._muon_state import check_muon_options, check_ns_dtype, load_pre_hook
-from ._state import new_state, qblock_for, state_bits
+from ._state import new_state, state_bits
 from ._state_dict import load_post_hook  # the same as Gefen's: install state as saved
 from .gefen import block_period
 from .quant import NearestCode
@@ -266,14 +267,14 @@ class GefenMuon(Optimizer):
                 None,
             )
             if codebook is None:
-                from .codebook import histogram, learn_codebook
-
-                counts = sum(
-                    histogram(p.grad.reshape(-1).float(), qblock_for(periods[p])).cpu()
-                    for group, p in fresh
-                    if group["momentum_bits"] == bits
+                codebook = learn_first_codebook(
+                    bits,
+                    [
+                        (group, p, periods[p])
+                        for group, p in fresh
+                        if group["momentum_bits"] == bits
+                    ],
                 )
-                codebook = learn_codebook(counts, 2**bits).to(torch.float32)
             codebooks[bits] = codebook.to(fresh[0][1].device)
         for group, param in fresh:
             bits = group["momentum_bits"]

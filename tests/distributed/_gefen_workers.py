@@ -21,7 +21,9 @@ def make_model(seed: int = 0) -> nn.Module:
     ).double()
 
 
-def make_optimizer(model: nn.Module, bits: int | None = 8) -> Gefen:
+def make_optimizer(
+    model: nn.Module, bits: int | None = 8, second_moment: str = "auto"
+) -> Gefen:
     first, rest = (
         list(model[0].parameters()),
         [p for m in list(model)[1:] for p in m.parameters()],
@@ -31,6 +33,7 @@ def make_optimizer(model: nn.Module, bits: int | None = 8) -> Gefen:
         lr=3e-3,
         weight_decay=0.01,
         momentum_bits=bits,
+        second_moment=second_moment,
     )
 
 
@@ -66,10 +69,12 @@ def summary(opt) -> dict:
     return {"periods": periods, "codebook": codebook.clone()}
 
 
-def reference(world: int, bits: int | None = 8, steps: int = STEPS):
+def reference(
+    world: int, bits: int | None = 8, steps: int = STEPS, second_moment: str = "auto"
+):
     """Single process, union batch (the world's batches concatenated)."""
     model = make_model()
-    opt = make_optimizer(model, bits)
+    opt = make_optimizer(model, bits, second_moment)
     for step in range(steps):
         x, y = batch(step)
         (model(x) - y).square().mean().backward()
@@ -253,6 +258,15 @@ def dcp_checks(rank: int, world: int, root: str, sources: tuple[str, ...]) -> di
         (m(x) - y).square().mean().backward()
         opt.step()
 
+    def auto_four_bits() -> bool:  # "auto" factors 4-bit matrices unless sharded
+        m = build(world)[0]
+        opt = Gefen(m.parameters(), momentum_bits=4)
+        x, y = batch(0)
+        (m(x) - y).square().mean().backward()
+        opt.step()
+        return any("factored" in state for state in opt.state.values())
+
+    out["auto_4bit_factored"] = auto_four_bits()
     out["errors"] = {
         "model": _fails(other_model),
         "bits": _fails(other_bits),

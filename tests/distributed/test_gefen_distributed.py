@@ -22,6 +22,26 @@ def _rel(params: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     )
 
 
+def _agree(params: list[torch.Tensor], ref: list[torch.Tensor], rtol: float) -> bool:
+    """Every element within ``rtol`` of the reference (relative to its tensor's
+    largest entry), except at most 1 in 1000 that are off by a momentum code step.
+
+    The layouts' fp32 updates differ in the last ulp (their sums run in another
+    order), so a stored 8-bit momentum that lands within an ulp of the midpoint of
+    two codes can take the other code on one side: that element then moves by one
+    code step (here 4e-5 of its tensor's scale, 2.4e-4 after a few more such
+    flips; 4 of 6033 elements after 20 steps) while the rest stay within 3e-7. A
+    wrong step (a shard's sum or absmax missing) moves every element.
+    """
+    off, worst, total = 0, 0.0, 0
+    for a, b in zip(params, ref, strict=True):
+        rel = (a - b).abs() / b.abs().max().clamp_min(1e-30)
+        off += int((rel > rtol).sum())
+        worst = max(worst, float(rel.max()))
+        total += rel.numel()
+    return worst <= rtol or (off <= total // 1000 and worst <= 1e-3)
+
+
 def _exact(params: list[torch.Tensor], ref: list[torch.Tensor]) -> bool:
     return all(torch.equal(a, b) for a, b in zip(params, ref, strict=True))
 
@@ -41,13 +61,19 @@ def check_training(results: list[dict], world: int) -> None:
     for rank, out in enumerate(results):
         train = out["train"]
         for bits in (8, 4):
-            ref_params, ref = workers.reference(world, bits)
             for kind in ("ddp", "fsdp"):
+                # the 4-bit default factors whole matrices (DDP, one process) but
+                # keeps blocks for FSDP2 shards (a column factor spans the ranks)
+                blocks = kind == "fsdp" and world > 1
+                second_moment = "blocks" if blocks else "auto"
+                ref_params, ref = workers.reference(
+                    world, bits, workers.STEPS, second_moment
+                )
                 params, got = train[f"{kind}{bits}"]
                 where = f"rank {rank}, {kind}, {bits}-bit"
                 assert got["periods"] == ref["periods"], where
                 assert torch.equal(got["codebook"], ref["codebook"]), where
-                assert _rel(params, ref_params) <= 1e-5, where
+                assert _agree(params, ref_params, 1e-5), where
         init_ref, init_summary = workers.reference(world, 8, steps=5)
         assert train["init"]["summary"]["periods"] == init_summary["periods"]
         assert torch.equal(
@@ -78,6 +104,8 @@ def check_dcp(results: list[dict], world: int) -> None:
             assert "FSDP2-sharded" in errors["factored"]
         else:
             assert errors["factored"] == ""
+        # the 4-bit default factors whole matrices, and keeps blocks for shards
+        assert dcp["auto_4bit_factored"] == (world == 1)
 
 
 def test_two_ranks_ddp_and_fsdp2_equal_one_process(two_ranks):
@@ -92,7 +120,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(two_ranks):
     root, _ = two_ranks
     ref, _ = workers.reference(1)
     params, summary = workers.resume(1, 0, f"{root}/w2")
-    assert _rel(params, ref) <= 1e-6
+    assert _agree(params, ref, 1e-6)
     assert summary["periods"] == workers.reference(1, steps=1)[1]["periods"]
 
 

@@ -36,7 +36,7 @@ def train(net, opt, steps, start=0):
 @pytest.mark.parametrize("bits", [8, 4, None])
 def test_state_dict_is_the_checkpoint_layout(bits):
     net = model()
-    opt = Gefen(net.parameters(), lr=1e-2, momentum_bits=bits)
+    opt = Gefen(net.parameters(), lr=1e-2, momentum_bits=bits, second_moment="blocks")
     train(net, opt, 3)
     saved = opt.state_dict()["state"]
     for index, param in enumerate(net.parameters()):

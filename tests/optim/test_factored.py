@@ -209,7 +209,14 @@ def test_bad_options_and_mismatched_checkpoints(kit):
     _train(model, opt, 2)
     saved = kit.roundtrip(opt.state_dict())
     with pytest.raises(ValueError, match="second_moment='factored'"):
-        Gefen(copy.deepcopy(model).parameters()).load_state_dict(saved)
+        Gefen(
+            copy.deepcopy(model).parameters(), second_moment="blocks"
+        ).load_state_dict(saved)
+    # "auto" takes either layout, and the group then says what the checkpoint says
+    resumed = Gefen(copy.deepcopy(model).parameters())
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["second_moment"] == "factored"
+    assert all("factored" in s for p, s in resumed.state.items() if p.ndim == 2)
     # a blocks state under a group that says factored: named, nothing loaded
     other = copy.deepcopy(model)
     blocks = Gefen(other.parameters(), lr=1e-2)
@@ -221,17 +228,21 @@ def test_bad_options_and_mismatched_checkpoints(kit):
     with pytest.raises(ValueError, match="second moment is blocks"):
         target.load_state_dict(bad)
     assert not target.state
-    # a factored group added after a codebook without an exact 0 was learned
-    plain_model = _mlp()  # no factored group: the learned codebook, no exact 0
-    plain = Gefen(plain_model.parameters(), lr=1e-2)
-    _train(plain_model, plain, 1)
-    assert 0.0 not in plain.state[plain_model[0].weight]["codebook"].tolist()
+    # the learned codebook holds an exact 0; an older checkpoint's may not, and a
+    # factored or per-element group added to such an optimizer cannot use it
     other = _mlp()
     mixed = Gefen(list(other[0].parameters()), lr=1e-2)
     _train(other, mixed, 1)
-    mixed.add_param_group({"params": [other[2].weight], "second_moment": "factored"})
-    with pytest.raises(ValueError, match="add factored groups before the first step"):
-        _train(other, mixed, 1)
+    assert 0.0 in mixed.state[other[0].weight]["codebook"].tolist()
+    old = codebook(8)
+    assert 0.0 not in old.tolist()
+    for state in mixed.state.values():
+        state["codebook"] = old
+    for extra in ({"second_moment": "factored"}, {"partition": "element"}):
+        trial = copy.deepcopy(mixed)
+        trial.add_param_group({"params": [other[2].weight], **extra})
+        with pytest.raises(ValueError, match="exact 0 code"):
+            trial.step()
     # changing the option after the first step
     opt.param_groups[0]["second_moment"] = "blocks"
     with pytest.raises(ValueError, match="factored with 64 rows"):
@@ -299,3 +310,80 @@ def test_with_exact_zero_moves_only_the_code_nearest_zero():
         assert 0.0 in out.tolist() and bool((out[1:] > out[:-1]).all())
         assert int((out != cb).sum()) <= 1 and out is not cb
         assert out[0] == -1 and out[-1] == 1
+
+
+def test_auto_factors_four_bit_matrices_only():
+    """second_moment="auto" (the default): factors for 4-bit momentum with the
+    automatic partition on parameters that factor; blocks everywhere else."""
+    cases = [
+        ({"momentum_bits": 4}, True),
+        ({"momentum_bits": 8}, False),
+        ({"momentum_bits": None}, False),
+        ({"momentum_bits": 4, "partition": 64}, False),
+        ({"momentum_bits": 4, "partition": "tensor"}, False),
+        ({"momentum_bits": 8, "second_moment": "factored"}, True),
+        ({"momentum_bits": 4, "second_moment": "blocks"}, False),
+    ]
+    for options, factors in cases:
+        model = _mlp()
+        opt = Gefen(model.parameters(), lr=1e-2, **options)
+        _train(model, opt, 1)
+        for p, state in opt.state.items():
+            assert ("factored" in state) == (factors and p.ndim == 2), options
+    # per group: only the 4-bit group factors
+    model = _mlp()
+    opt = Gefen(
+        [
+            {"params": model[0].parameters(), "momentum_bits": 8},
+            {"params": model[2].parameters(), "momentum_bits": 4},
+        ],
+        lr=1e-2,
+    )
+    _train(model, opt, 1)
+    assert "factored" not in opt.state[model[0].weight]
+    assert "factored" in opt.state[model[2].weight]
+
+
+def test_auto_four_bit_is_the_factored_step_bit_for_bit(kit):
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    auto = Gefen(model.parameters(), lr=1e-2, momentum_bits=4)
+    explicit = Gefen(
+        twin.parameters(), lr=1e-2, momentum_bits=4, second_moment="factored"
+    )
+    _train(model, auto, 6)
+    _train(twin, explicit, 6)
+    assert kit.max_diff(model, twin) == 0.0
+
+
+def test_auto_resumes_a_blocks_checkpoint_as_blocks(kit):
+    """A 4-bit checkpoint with blocks (saved with second_moment="blocks", or from
+    before the option existed) resumes bit-exactly under the "auto" default."""
+    model = _mlp()
+    opt = Gefen(model.parameters(), lr=1e-2, momentum_bits=4, second_moment="blocks")
+    _train(model, opt, 3)
+    saved = kit.roundtrip(opt.state_dict())
+    older = copy.deepcopy(saved)
+    for group in older["param_groups"]:
+        del group["second_moment"]
+    for checkpoint in (saved, older):
+        twin = copy.deepcopy(model)
+        resumed = Gefen(twin.parameters(), lr=1e-2, momentum_bits=4)
+        resumed.load_state_dict(checkpoint)
+        reference = copy.deepcopy(model)
+        ref_opt = Gefen(
+            reference.parameters(), lr=1e-2, momentum_bits=4, second_moment="blocks"
+        )
+        ref_opt.load_state_dict(saved)
+        _train(twin, resumed, 3, seed=1)
+        _train(reference, ref_opt, 3, seed=1)
+        assert kit.max_diff(twin, reference) == 0.0
+        assert not any("factored" in s for s in resumed.state.values())
+    # an "auto" checkpoint whose matrices factor does not load as explicit blocks
+    opt4 = Gefen(model.parameters(), lr=1e-2, momentum_bits=4)
+    _train(model, opt4, 1)
+    target = Gefen(
+        copy.deepcopy(model).parameters(), momentum_bits=4, second_moment="blocks"
+    )
+    with pytest.raises(ValueError, match="factored"):
+        target.load_state_dict(kit.roundtrip(opt4.state_dict()))

@@ -303,3 +303,33 @@ def test_optimizer_state_nbytes_counts_each_storage_once(kit):
     assert optimizer_state_nbytes(gefen) == by_hand + 400
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         optimizer_state_nbytes(model)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    "kwargs", [{"partition": "element"}, {}], ids=["element", "auto"]
+)
+def test_weights_of_a_dead_input_only_decay_like_adamw(bits, kwargs):
+    """An input that is always 0 gives its weights a gradient that is always 0, so
+    AdamW only decays them. Gefen stores their momentum 0 exactly (the codebook's
+    exact 0 code), so it does the same; a residue of the code nearest 0 divided by
+    a per-element v of 0 would be a step of ~absmax / eps."""
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(6, 4), nn.Linear(6, 4)
+    theirs.load_state_dict(ours.state_dict())
+    opts = (
+        Gefen(ours.parameters(), lr=1e-2, momentum_bits=bits, **kwargs),
+        torch.optim.AdamW(theirs.parameters(), lr=1e-2),
+    )
+    for _ in range(20):
+        x = torch.randn(16, 6)
+        x[:, 0] = 0.0
+        for model, opt in zip((ours, theirs), opts, strict=True):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    assert 0.0 in opts[0].state[ours.weight]["codebook"].tolist()
+    torch.testing.assert_close(
+        ours.weight[:, 0], theirs.weight[:, 0], rtol=1e-6, atol=0
+    )
+    assert not torch.equal(ours.weight[:, 1:], theirs.weight[:, 1:])  # the rest moved
