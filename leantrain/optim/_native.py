@@ -1,8 +1,8 @@
 """Builds and loads the C kernels in ``_kernels/`` (plain C99 + OpenMP, no torch).
 
 Every source in :data:`SOURCES` goes into one shared library (the Gefen step, the
-codebook dynamic program and the finite check), compiled on first use with the
-system C compiler into a cache directory (``$LEANTRAIN_CACHE``, else
+codebook dynamic program, the finite check and the factor means), compiled on first
+use with the system C compiler into a cache directory (``$LEANTRAIN_CACHE``, else
 ``~/.cache/leantrain``), under a name keyed by a hash of the sources, the compiler's
 version, the flags and the CPU's feature flags, so an edit, a new compiler or
 another machine type never loads a stale binary. The build writes a temporary file
@@ -28,7 +28,7 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "_kernels"
 # One library from all sources: one build, one load, one cache entry.
-SOURCES = ("gefen_step.c", "codebook_dp.c", "finite.c")
+SOURCES = ("gefen_step.c", "codebook_dp.c", "finite.c", "factor_sums.c")
 # Included by gefen_step.c: part of the cache key, never compiled on their own.
 HEADERS = (
     "gefen_codes.h",
@@ -146,6 +146,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lt_codebook_dp.argtypes = [pointer] * 5 + [i64, i64, pointer, pointer]
     lib.lt_all_finite.restype = ctypes.c_int
     lib.lt_all_finite.argtypes = [pointer, i64, i32, ctypes.c_uint32, i32]
+    lib.lt_factor_means.restype = ctypes.c_int
+    lib.lt_factor_means.argtypes = [pointer, i32, i64, i64, i64] + [pointer] * 3 + [i32]
     for name in (
         "lt_sizeof_quantizer",
         "lt_sizeof_hyper",

@@ -19,8 +19,9 @@ blocks: more on small matrices, less on large ones.
 State: ``exp_avg_sq`` holds ``[r, c]`` (fp32, ``R + C``) and ``factored`` (0-dim
 int64) holds ``R``. The momentum's absmax keeps its blocks of ``qblock`` elements.
 Every step path updates the factors before its element loop (the column means need
-the whole gradient; the fast paths share :func:`update_factors`, over bounded chunks
-of rows) and computes each element's ``v`` as ``(r[i] * c[j]) / cbar`` in fp32, two
+the whole gradient; the fast paths share :func:`update_factors`, whose means of
+``g^2`` come from one C pass on CPU, else from torch over bounded chunks of rows) and
+computes each element's ``v`` as ``(r[i] * c[j]) / cbar`` in fp32, two
 separate roundings, as the C kernel does.
 """
 
@@ -31,7 +32,14 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["factor_shape", "factored_v", "mean_column", "update_factors"]
+__all__ = [
+    "factor_means",
+    "factor_shape",
+    "factored_v",
+    "mean_column",
+    "torch_factor_means",
+    "update_factors",
+]
 
 SECOND_MOMENTS = ("auto", "blocks", "factored")
 # Rows per chunk of the factor update: temporaries stay near 2**20 elements.
@@ -63,27 +71,82 @@ def update_factors(grad: Tensor, factors: Tensor, rows: int, beta2: float) -> No
     """One EMA step of the row and column factors (``factors = [r, c]``, in place)
     from ``grad`` (any float dtype, ``rows * cols`` elements; its sign is irrelevant).
 
-    fp32 math (torch's reductions; float64 was 8x slower on a 512 x 512 matrix for
-    no difference that matters to a second moment), over chunks of whole rows so
-    temporaries stay bounded; a tensor of one chunk gets exactly the reference's
-    ``sq.mean(1)`` and ``sq.mean(0)``.
+    The means of ``g^2`` come from :func:`factor_means`; the EMA is fp32 torch math.
     """
-    cols = factors.numel() - rows
+    row_means, col_means = factor_means(grad, rows)
+    factors[:rows].mul_(beta2).add_(row_means, alpha=1 - beta2)
+    factors[rows:].mul_(beta2).add_(col_means, alpha=1 - beta2)
+
+
+def factor_means(grad: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """The row means ``[rows]`` and column means ``[cols]`` of ``grad**2`` (fp32).
+
+    A contiguous fp32 or bf16 CPU gradient goes to the C pass
+    (``_kernels/factor_sums.c``: one read, double sums, deterministic whatever the
+    thread count); anything else (CUDA, fp16, no compiler) to torch.
+    """
+    native = _native_means(grad, rows)
+    if native is not None:
+        return native
+    return torch_factor_means(grad, rows)
+
+
+def torch_factor_means(grad: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """:func:`factor_means` in torch: fp32 math (float64 was 8x slower on a 512 x 512
+    matrix for no difference that matters to a second moment), over chunks of whole
+    rows so temporaries stay bounded; a tensor of one chunk gets exactly
+    ``sq.mean(1)`` and ``sq.mean(0)``."""
+    cols = grad.numel() // rows
     g = grad.reshape(rows, cols)
     step = max(1, _CHUNK_ELEMENTS // cols)
     if step >= rows:
         sq = g.float().square()
-        row_means, col_means = sq.mean(1), sq.mean(0)
-    else:
-        col_sums = torch.zeros(cols, dtype=torch.float32, device=grad.device)
-        row_means = torch.empty(rows, dtype=torch.float32, device=grad.device)
-        for start in range(0, rows, step):
-            sq = g[start : start + step].float().square()
-            row_means[start : start + step] = sq.mean(1)
-            col_sums += sq.sum(0)
-        col_means = col_sums / rows
-    factors[:rows].mul_(beta2).add_(row_means, alpha=1 - beta2)
-    factors[rows:].mul_(beta2).add_(col_means, alpha=1 - beta2)
+        return sq.mean(1), sq.mean(0)
+    col_sums = torch.zeros(cols, dtype=torch.float32, device=grad.device)
+    row_means = torch.empty(rows, dtype=torch.float32, device=grad.device)
+    for start in range(0, rows, step):
+        sq = g[start : start + step].float().square()
+        row_means[start : start + step] = sq.mean(1)
+        col_sums += sq.sum(0)
+    return row_means, col_sums / rows
+
+
+def _native_means(grad: Tensor, rows: int) -> tuple[Tensor, Tensor] | None:
+    """The C pass of :func:`factor_means`; None where it cannot run."""
+    if (
+        grad.device.type != "cpu"
+        or grad.dtype not in (torch.float32, torch.bfloat16)
+        or not grad.is_contiguous()
+    ):
+        return None
+    from . import _native
+
+    lib = _native.load()
+    if lib is None:
+        return None
+    cols = grad.numel() // rows
+    # Fixed row chunks from the shape alone (so the sums do not depend on the
+    # threads): enough to share among threads, scratch of at most 64 x cols doubles.
+    chunks = min(rows, 64, max(1, grad.numel() // (1 << 16)))
+    scratch = torch.empty(chunks * cols, dtype=torch.float64)
+    row_means = torch.empty(rows, dtype=torch.float32)
+    col_means = torch.empty(cols, dtype=torch.float32)
+    rc = lib.lt_factor_means(
+        grad.data_ptr(),
+        int(grad.dtype == torch.bfloat16),
+        rows,
+        cols,
+        chunks,
+        scratch.data_ptr(),
+        row_means.data_ptr(),
+        col_means.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(
+            f"the native factor means rejected a {tuple(grad.shape)} tensor"
+        )
+    return row_means, col_means
 
 
 def mean_column(factors: Tensor, rows: int) -> float:

@@ -94,7 +94,7 @@ def check_dcp(results: list[dict], world: int) -> None:
         assert _exact(dcp["after_template"], dcp["uninterrupted"])
         assert _exact(dcp["resumed"][0], dcp["uninterrupted"])
         for source, params in dcp["from"].items():
-            assert _rel(params, ref) <= 1e-6, source
+            assert _agree(params, ref, 1e-6), source
         errors = dcp["errors"]
         assert "Size mismatch" in errors["model"] and "0.weight" in errors["model"]
         assert "exp_avg_codes" in errors["bits"] or "codebook" in errors["bits"]
