@@ -185,7 +185,7 @@ PEERS: dict[str, Peer] = {
     "adamw-foreach": Peer(adamw, "torch.optim.AdamW(foreach=True), the baseline"),
     "adamw-fused": Peer(adamw_fused, "torch.optim.AdamW(fused=True)"),
     "gefen-8bit": Peer(gefen(8), "leantrain Gefen, momentum_bits=8"),
-    "gefen-4bit": Peer(gefen(4), "leantrain Gefen, momentum_bits=4"),
+    "gefen-4bit": Peer(gefen(4), "leantrain Gefen, momentum_bits=4 (factored v)"),
     "gefen-muon": Peer(
         gefen_muon,
         "leantrain GefenMuon 8-bit, Muon lr 0.02; embeddings+head+1-D on AdamW",
