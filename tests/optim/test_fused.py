@@ -261,6 +261,37 @@ def test_cuda_compiled_step_matches_reference(bits):
     torch.testing.assert_close(p_cuda.cpu(), param, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cuda_factored_step_matches_reference(bits):
+    """The 4-bit default on CUDA: a factored second moment (and, for 4-bit,
+    stochastic codes) through the compiled chunk function; the reference's result."""
+    from leantrain.optim.codebook import with_exact_zero
+    from leantrain.optim.factored import factor_shape
+
+    torch.manual_seed(3)
+    shape = (313, 160)
+    cb = with_exact_zero(codebook(bits))
+    param = torch.randn(shape)
+    state = new_state(param, 160, bits, cb, factor_shape(shape))
+    rounding = {"stochastic_codes": bits == 4, "seed": 5}
+    cuda_state = {k: v.cuda() for k, v in state.items()}
+    p_cuda = param.cuda()
+    ref = copy_state(state)
+    for _ in range(3):
+        grad = torch.randn(shape)
+        _fused.fused_step(p_cuda, grad.cuda(), cuda_state, **HYPER, **rounding)
+        reference_step(param, grad, ref, **HYPER, **rounding)
+    n = param.numel()
+    diff = codes_of(cuda_state, n).cpu().int() - codes_of(ref, n).int()
+    assert int(diff.abs().max()) <= 1 and int((diff != 0).sum()) <= 10
+    torch.testing.assert_close(
+        cuda_state["exp_avg_sq"].cpu(), ref["exp_avg_sq"], rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(p_cuda.cpu(), param, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits", [8, 4, None])
 def test_gefen_trains_the_same_with_the_fused_step(backend, bits):
     """Along a real Gefen run (the states gefen.py builds: learned codebook,
