@@ -116,9 +116,11 @@ def _snapshot(model, opt):
     return params, state
 
 
-def test_nonfinite_gradient_skips_the_whole_step(kit):
+@pytest.mark.parametrize("bits", [8, 4])  # 4: the factored default, factors kept too
+def test_nonfinite_gradient_skips_the_whole_step(kit, bits):
     x, y = kit.make_data()
-    model, opt = _trained(kit)
+    model, opt = _trained(kit, momentum_bits=bits)
+    assert ("factored" in opt.state[model[0].weight]) == (bits == 4)
     params, state = _snapshot(model, opt)
     for bad in (float("nan"), float("inf")):
         opt.zero_grad()
@@ -219,10 +221,11 @@ def test_nonfinite_raise(kit):
 # --- unusual parameters and bad input ----------------------------------------------
 
 
-def test_empty_parameters_get_no_state(kit):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_empty_parameters_get_no_state(kit, bits):
     model = kit.make_mlp()
     empty_1d, empty_2d = nn.Parameter(torch.empty(0)), nn.Parameter(torch.empty(0, 5))
-    opt = Gefen([*model.parameters(), empty_1d, empty_2d], lr=1e-2)
+    opt = Gefen([*model.parameters(), empty_1d, empty_2d], lr=1e-2, momentum_bits=bits)
     for _ in range(2):
         opt.zero_grad()
         (
