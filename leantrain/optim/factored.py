@@ -126,8 +126,11 @@ def _native_means(grad: Tensor, rows: int) -> tuple[Tensor, Tensor] | None:
         return None
     cols = grad.numel() // rows
     # Fixed row chunks from the shape alone (so the sums do not depend on the
-    # threads): enough to share among threads, scratch of at most 64 x cols doubles.
-    chunks = min(rows, 64, max(1, grad.numel() // (1 << 16)))
+    # threads): enough to share among threads, at most 64, and scratch (chunks x
+    # cols doubles) of at most 4 MiB unless a single row is longer.
+    chunks = min(
+        rows, 64, max(1, grad.numel() // (1 << 16)), max(1, (1 << 19) // max(cols, 1))
+    )
     scratch = torch.empty(chunks * cols, dtype=torch.float64)
     row_means = torch.empty(rows, dtype=torch.float32)
     col_means = torch.empty(cols, dtype=torch.float32)
