@@ -18,7 +18,8 @@ interval is wider than 1%, one run cannot resolve a 1% difference either.
 
 Run: ``python benchmarks/gefen_seeds.py --model gpt --seeds 0-7`` (2 threads: about
 45 s per GPT seed for AdamW and the four default variants, 6 minutes in all; the MLP
-and CNN take seconds per seed). ``--variants`` takes ``adamw-eps``, ``adamw-lr`` and
+and CNN take seconds per seed). ``--plot PATH`` also draws every seed's ratio and the
+summaries as a PNG. ``--variants`` takes ``adamw-eps``, ``adamw-lr`` and
 ``benchmarks/gefen_quality.py``'s ``BITS:PARTITION`` specs (``8:auto`` is Gefen
 8-bit). Results: docs/benchmarks.md, "Gefen — quality over seeds".
 """
@@ -130,6 +131,40 @@ def _study(args: argparse.Namespace, seeds: list[int], variants: list[str]):
     return run, rows, ratios
 
 
+def write_plot(model: str, rows, variants: list[str], path: Path) -> None:
+    """Every seed's ratio (dots) and the geometric mean with its 95% interval (a
+    bar) per variant, on a log axis, with 1.0 (AdamW) marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(variants), 4))
+    for x, v in enumerate(variants):
+        ratios = [rs[variants.index(v)] for _, _, rs in rows]
+        finite = [r for r in ratios if math.isfinite(r) and r > 0]
+        ax.scatter([x] * len(finite), finite, s=14, alpha=0.6, color="tab:blue")
+        mean, low, high = summary(ratios)
+        if math.isfinite(mean):
+            yerr = [[mean - low], [high - mean]] if math.isfinite(low) else None
+            ax.errorbar(x + 0.15, mean, yerr=yerr, fmt="o", color="black", capsize=4)
+    ax.axhline(1.0, color="tab:red", linewidth=1, label="AdamW")
+    ax.set_yscale("log")
+    plain = FormatStrFormatter("%.2f")  # 1.05, not 1.05e0
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_xticks(range(len(variants)), variants, rotation=20)
+    ax.set(
+        ylabel="validation loss / AdamW's (same seed)",
+        title=f"{model}: {len(rows)} seeds (dots), geo-mean and 95% interval",
+    )
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt", choices=sorted(compare.TASKS))
@@ -137,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="default: compare's")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
     args = parser.parse_args(argv)
     seeds = parse_seeds(args.seeds)
     # The variants join compare's registry and the thread count is set for this
@@ -161,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     for v in variants:
         mean, low, high = summary(ratios[v])
         print(f"{v:>10s} {mean:9.3f}   [{low:.3f}, {high:.3f}]")
+    if args.plot is not None:
+        write_plot(args.model, rows, variants, args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

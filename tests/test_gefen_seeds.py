@@ -58,7 +58,7 @@ def test_a_diverged_run_makes_the_summary_nan(seeds_module):
         assert all(math.isnan(x) for x in seeds_module.summary([1.0, bad, 1.1]))
 
 
-def test_short_run_prints_every_seed_and_the_summary(seeds_module, capsys):
+def test_short_run_prints_every_seed_and_the_summary(seeds_module, capsys, tmp_path):
     from leantrain import compare
 
     registry, threads = dict(compare.OPTIMIZERS), torch.get_num_threads()
@@ -74,6 +74,8 @@ def test_short_run_prints_every_seed_and_the_summary(seeds_module, capsys):
             "1",
             "--variants",
             "adamw-eps,8:auto",
+            "--plot",
+            str(tmp_path / "seeds.png"),
         ]
     )
     out = capsys.readouterr().out
@@ -87,5 +89,7 @@ def test_short_run_prints_every_seed_and_the_summary(seeds_module, capsys):
         assert eps_ratio == pytest.approx(1.0, abs=1e-2)
         assert math.isfinite(gefen_ratio) and gefen_ratio > 0
     assert "geo-mean" in out and "8:auto" in out
+    png = (tmp_path / "seeds.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     # the study leaves compare's registry and the thread count as it found them
     assert compare.OPTIMIZERS == registry and torch.get_num_threads() == threads
