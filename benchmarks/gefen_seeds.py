@@ -159,7 +159,7 @@ def write_plot(model: str, rows, variants: list[str], path: Path) -> None:
         ylabel="validation loss / AdamW's (same seed)",
         title=f"{model}: {len(rows)} seeds (dots), geo-mean and 95% interval",
     )
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")  # away from the dots
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
