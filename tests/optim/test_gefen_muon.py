@@ -77,6 +77,15 @@ def _reference_momentum(state: dict, grad: torch.Tensor, momentum: float, bits: 
     return new_codes, absmax, normed
 
 
+def _step_after_snapshot(opt, model, kit, x, y) -> dict:
+    """One training step; returns every parameter's state as it was before it."""
+    opt.zero_grad()
+    kit.loss_fn(model, x, y).backward()
+    before = {p: copy.deepcopy(opt.state[p]) for p in model.parameters()}
+    opt.step()
+    return before
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("partition", ["auto", 7])
 def test_quantized_momentum_matches_brute_force(bits, partition, kit):
@@ -91,10 +100,7 @@ def test_quantized_momentum_matches_brute_force(bits, partition, kit):
     )
     kit.train(model, opt, x, y, 1)  # learns the codebook
     for _ in range(4):
-        opt.zero_grad()
-        kit.loss_fn(model, x, y).backward()
-        before = {p: copy.deepcopy(opt.state[p]) for p in model.parameters()}
-        opt.step()
+        before = _step_after_snapshot(opt, model, kit, x, y)
         for p in model.parameters():
             state = opt.state[p]
             codes, absmax, normed = _reference_momentum(before[p], p.grad, 0.95, bits)
@@ -126,10 +132,7 @@ def test_stochastic_4bit_codes_are_the_rules(kit):
     kit.train(model, opt, x, y, 1)
     flipped = 0
     for _ in range(4):
-        opt.zero_grad()
-        kit.loss_fn(model, x, y).backward()
-        before = {p: copy.deepcopy(opt.state[p]) for p in model.parameters()}
-        opt.step()
+        before = _step_after_snapshot(opt, model, kit, x, y)
         for p in model.parameters():
             nearest, _, normed = _reference_momentum(before[p], p.grad, 0.95, 4)
             key = code_key(position[id(p)], int(opt.state[p]["step"]))
