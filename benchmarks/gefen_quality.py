@@ -7,10 +7,11 @@ tensors), and prints the validation loss of each as a ratio to AdamW's (same run
 
 Run: ``python benchmarks/gefen_quality.py`` (200 steps, lr 2e-3, about 2 minutes per
 variant on one idle core); ``--variants adamw,fp32:auto,8:auto`` picks variants,
-``BITS:PARTITION[:1d-element][:nearest|:stochastic][:blocks|:factored]``, BITS in
-fp32/8/4, PARTITION auto/element/tensor/INT; ``nearest``/``stochastic`` set
-``momentum_rounding`` (default "auto") and ``blocks``/``factored`` set
-``second_moment`` (default "auto": factored for 4-bit, blocks for 8-bit).
+``BITS:PARTITION[:1d-element][:nearest|:stochastic][:blocks|:factored][:noclip|:clipX]``,
+BITS in fp32/8/4, PARTITION auto/element/tensor/INT; ``nearest``/``stochastic`` set
+``momentum_rounding`` (default "auto"), ``blocks``/``factored`` set ``second_moment``
+(default "auto": factored for 4-bit, blocks for 8-bit) and ``noclip``/``clip2`` set
+``update_clip`` to None/2.0 (default "auto": 1.0 for 4-bit, None for 8-bit).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def make_optimizer(
         if second_moment in extra:
             extra.remove(second_moment)
             options["second_moment"] = second_moment
+    for option in list(extra):  # "noclip": update_clip=None; "clip2": 2.0
+        if option == "noclip" or option.startswith("clip"):
+            extra.remove(option)
+            options["update_clip"] = None if option == "noclip" else float(option[4:])
     if extra == ["1d-element"]:
         one = [p for p in model.parameters() if p.ndim == 1]
         rest = [p for p in model.parameters() if p.ndim != 1]

@@ -31,6 +31,7 @@ class _Hyper(ctypes.Structure):
             "sqrt_bc2",
             "eps",
             "sign",
+            "max_step",
         )
     ]
 

@@ -98,6 +98,42 @@ def check_second_moment(value: object, partition: object) -> None:
         )
 
 
+# update_clip="auto": the bound for 4-bit momentum. Its codes are coarse near 0, so
+# a weight with a small sqrt(v) in a block with a large absmax sees the codes'
+# rounding error divided by that small sqrt(v): a step of many lr. One lr per
+# element is Adam's own nominal bound (its first step is exactly lr per element).
+AUTO_UPDATE_CLIP = 1.0
+
+
+def update_clip_of(group: dict) -> float | None:
+    """The bound on each element's ``|m_hat / (sqrt(v_hat) + eps)|`` a param group
+    asks for: ``update_clip`` resolved ("auto": :data:`AUTO_UPDATE_CLIP` for 4-bit
+    momentum, None otherwise; a group from a checkpoint older than the option has
+    none: "auto"). None: no clipping, AdamW's update.
+
+    Raises:
+        ValueError: not "auto", None or a positive finite number.
+        TypeError: a number that is not real (a bool, a string other than "auto").
+    """
+    clip = group.get("update_clip", "auto")
+    if isinstance(clip, str) and clip == "auto":
+        return AUTO_UPDATE_CLIP if group["momentum_bits"] == 4 else None
+    if clip is None:
+        return None
+    if isinstance(clip, str) or isinstance(clip, bool):
+        raise ValueError(
+            f"Invalid update_clip: {clip!r}; allowed: 'auto', None or a positive "
+            "number (the largest |m_hat / (sqrt(v_hat) + eps)| of an element)"
+        )
+    value = _as_float(clip, "update_clip")
+    if not 0.0 < value < float("inf"):
+        raise ValueError(
+            f"Invalid update_clip: {clip!r}; must be positive and finite, or None "
+            "(no clipping) or 'auto'"
+        )
+    return value
+
+
 def check_nonfinite(mode: object) -> None:
     """Checks the non-finite gradient policy is "skip" or "raise"."""
     if mode not in NONFINITE_MODES:
@@ -115,6 +151,7 @@ def check_group(group: dict) -> None:
     group_stochastic(group)  # checks momentum_rounding against the bits
     check_partition(group["partition"])
     check_second_moment(group.get("second_moment", "blocks"), group["partition"])
+    update_clip_of(group)
     if not isinstance(group["maximize"], bool):
         raise TypeError(f"maximize must be a bool, got {group['maximize']!r}")
 

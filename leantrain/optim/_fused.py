@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import _cabi, _native
 from ._state_layout import state_layout
+from ._step import max_step
 from ._torch_step import torch_step
 from .code_rounding import code_key
 from .factored import mean_column, update_factors
@@ -180,8 +181,10 @@ def hyperparameters(
     eps: float,
     weight_decay: float,
     maximize: bool,
+    update_clip: float | None = None,
 ) -> dict[str, float]:
-    """The per-step scalars, in double here, rounded to fp32 once where used."""
+    """The per-step scalars, in double here, rounded to fp32 once where used
+    (``max_step``: already fp32, inf without a clip)."""
     return {
         "w1": 1 - beta1,
         "beta2": beta2,
@@ -191,6 +194,7 @@ def hyperparameters(
         "sqrt_bc2": math.sqrt(1 - beta2**step),
         "eps": eps,
         "sign": -1.0 if maximize else 1.0,
+        "max_step": max_step(lr, update_clip),
     }
 
 
@@ -244,6 +248,7 @@ def fused_step(
     seed: int = 0,
     stochastic_codes: bool = False,
     index0: int = 0,
+    update_clip: float | None = None,
 ) -> None:
     """Applies one Gefen step to ``param`` in place; same contract as
     ``_step.reference_step`` (same arguments, same state, same result to fp32
@@ -268,6 +273,8 @@ def fused_step(
             as ``reference_step`` does with the same arguments.
         index0: the global flat index of ``param``'s first element, when it is a
             shard of a larger parameter: the counter of both roundings' hashes.
+        update_clip: each element's step is at most ``lr * update_clip``, as in
+            ``reference_step``; None: no clip.
 
     Raises:
         ValueError: grad and param differ in size, or the state's tensors do not fit
@@ -303,6 +310,7 @@ def fused_step(
         eps=eps,
         weight_decay=weight_decay,
         maximize=maximize,
+        update_clip=update_clip,
     )
     lib = _native.load()
     if lib is not None and _c_problem(param, grad, state) is None:

@@ -39,6 +39,7 @@ class StepItem:
     seed: int = 0
     stochastic_codes: bool = False
     index0: int = 0  # global flat index of the first element (a shard's offset)
+    update_clip: float | None = None  # each element's step <= lr * update_clip
 
     def options(self) -> dict:
         """The hyperparameters as ``fused_step`` and ``hyperparameters`` take them."""
@@ -49,6 +50,7 @@ class StepItem:
             "eps": self.eps,
             "weight_decay": self.weight_decay,
             "maximize": self.maximize,
+            "update_clip": self.update_clip,
         }
 
     def hyper(self, step: float) -> dict[str, float]:

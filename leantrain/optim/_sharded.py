@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import code_rounding
-from ._step import nearest_code
+from ._step import apply_update, nearest_code
 from .quant import pack_nibbles, unpack_nibbles
 
 
@@ -147,10 +147,12 @@ def finish_step(
     weight_decay: float,
     stochastic_codes: bool = False,
     seed: int = 0,
+    update_clip: float | None = None,
 ) -> None:
     """Second half of a step, with ``sq`` and ``amax`` reduced over the ranks
-    (``stochastic_codes``, ``seed``: as for ``_step.reference_step``; a span's
-    elements draw the bits of their global indices)."""
+    (``stochastic_codes``, ``seed``, ``update_clip``: as for
+    ``_step.reference_step``; a span's elements draw the bits of their global
+    indices)."""
     state["step"] += 1
     n = g.numel()
     if n == 0:
@@ -191,7 +193,7 @@ def finish_step(
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
     per = padded_rows(torch.zeros(n, device=g.device), span, period)
     per = (per + denom[:, None]).view(-1)[span.start % period :][:n]
-    w32.addcdiv_(m, per, value=-step_size)
+    apply_update(w32, m, per, step_size, lr, update_clip)
     if w32 is not flat:
         flat.copy_(w32)
     if flat.data_ptr() != param.data_ptr():

@@ -19,6 +19,7 @@ not the parameter size. A single block longer than a chunk is processed whole.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from torch import Tensor
@@ -71,6 +72,36 @@ def per_element(block_values: Tensor, block: int, length: int) -> Tensor:
     return block_values[:, None].expand(-1, block).reshape(-1)[:length]
 
 
+def max_step(lr: float, update_clip: float | None) -> float:
+    """The largest step of one element, ``lr * update_clip`` rounded to fp32 once
+    (every path compares fp32 steps with this same number); inf without a clip."""
+    if update_clip is None:
+        return math.inf
+    return struct.unpack("f", struct.pack("f", lr * update_clip))[0]
+
+
+def apply_update(
+    w32: Tensor,
+    m: Tensor,
+    denom: Tensor,
+    step_size: float,
+    lr: float,
+    update_clip: float | None,
+) -> None:
+    """``w32 += -step_size * m / denom``, each element's step clipped to
+    ``lr * update_clip`` (``Gefen``'s ``update_clip``; None: not clipped).
+
+    Unclipped it is AdamW's own op, addcdiv, whose rounding is
+    ``w + (value * m) / denom``; the clipped step rounds the same way before its
+    clamp, so a clip that never binds changes no bit.
+    """
+    if update_clip is None:
+        w32.addcdiv_(m, denom, value=-step_size)
+        return
+    bound = max_step(lr, update_clip)
+    w32.add_((m * -step_size).div_(denom).clamp_(-bound, bound))
+
+
 def _load_momentum(
     state: dict, start: int, end: int, qblock: int, codebook: Tensor
 ) -> Tensor:
@@ -121,6 +152,7 @@ def reference_step(
     maximize: bool,
     stochastic_codes: bool = False,
     seed: int = 0,
+    update_clip: float | None = None,
 ) -> None:
     r"""Applies one Gefen step to ``param`` in place and advances ``state``.
 
@@ -139,6 +171,9 @@ def reference_step(
             (:mod:`leantrain.optim.code_rounding`) instead of the nearest code.
         seed: the parameter's random stream (its index in the optimizer), keying
             ``code_key(seed, step)``.
+        update_clip: clip each element's :math:`|\hat m / (\sqrt{\hat v} +
+            \epsilon)|` to this (a step of at most ``lr * update_clip``); None: no
+            clip.
 
     Example:
         >>> import torch
@@ -209,7 +244,7 @@ def reference_step(
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         if rows is None:
             denom = per_element(denom, period, end - start)
-        w32.addcdiv_(m, denom, value=-step_size)
+        apply_update(w32, m, denom, step_size, lr, update_clip)
         if w32 is not w:
             w.copy_(w32)
     if not param.is_contiguous():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import _dist, code_rounding
+from ._checks import update_clip_of
 from ._sharded import begin_step, finish_step
 
 
@@ -74,4 +75,5 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
             weight_decay=float(group["weight_decay"]),
             stochastic_codes=code_rounding.group_stochastic(group),
             seed=seed,
+            update_clip=update_clip_of(group),
         )

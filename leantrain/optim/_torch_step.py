@@ -109,6 +109,12 @@ def _ema(v: Tensor, x: Tensor, h: dict) -> None:
         v.add_(x, alpha=h["omb2"])
 
 
+def _clipped(step: Tensor, h: dict) -> Tensor:
+    """Each element's step clipped to ``h["max_step"]`` (fp32; inf without a
+    clip, which changes nothing and lets NaN through, like the reference)."""
+    return step.clamp_(-h["max_step"], h["max_step"])
+
+
 def _chunk(
     param32: Tensor,
     g: Tensor,
@@ -157,7 +163,7 @@ def _chunk(
         state["exp_avg"].view(-1)[start:end] = m
     # The exact new m, not its stored quantization (as the reference);
     # addcdiv's rounding, p + (-step_size * m) / denom, in ops that take a tensor
-    param32.mul_(h["decay"]).add_(m * -h["step_size"] / denom)
+    param32.mul_(h["decay"]).add_(_clipped(m * -h["step_size"] / denom, h))
 
 
 def _big_block(
@@ -207,7 +213,7 @@ def _big_block(
         w = param32[s - start : e - start]
         if factors is not None:
             denom = (factors(s, e).sqrt() / h["sqrt_bc2"]).add_(h["eps"])
-        w.mul_(h["decay"]).addcdiv_(m, denom, value=-h["step_size"])
+        w.mul_(h["decay"]).add_(_clipped(m * -h["step_size"] / denom, h))
     if bits:
         state["exp_avg_absmax"][b] = amax_t
 

@@ -125,6 +125,14 @@ class Gefen(Optimizer):
             for 4 (R + C) bytes per R x C matrix, which fits the 4-bit budget but
             not the 8-bit one on small models. May be set per param group. See
             docs/gefen.md.
+        update_clip: the largest step of one element, in units of lr: each
+            element's :math:`|\hat m / (\sqrt{\hat v} + \epsilon)|` is clipped to
+            it (weight decay is not). None: no clipping (AdamW's update). "auto":
+            1.0 for 4-bit momentum, None otherwise. The coarse 4-bit codes' rounding
+            error, divided by a weight's small :math:`\sqrt{v}`, can otherwise make
+            steps of many lr (an MLP on pixels: 1.034x -> 1.006x AdamW's loss over
+            eight seeds); Adam's own steps are about lr per element. May be set per
+            param group. See docs/gefen.md, "Update clipping".
 
     Raises:
         ValueError: an invalid hyper-parameter, naming the value.
@@ -157,6 +165,7 @@ class Gefen(Optimizer):
         stochastic_rounding: bool | None = None,
         momentum_rounding: str = "auto",
         second_moment: str = "auto",
+        update_clip: float | str | None = "auto",
     ) -> None:
         _checks.check_hyperparameters(lr, betas, eps, weight_decay)
         _checks.check_momentum_bits(momentum_bits)
@@ -164,6 +173,9 @@ class Gefen(Optimizer):
         _checks.check_partition(partition)
         _checks.check_second_moment(second_moment, partition)
         _checks.check_nonfinite(nonfinite)
+        _checks.update_clip_of(
+            {"momentum_bits": momentum_bits, "update_clip": update_clip}
+        )
         if stochastic_rounding not in (None, True, False):
             raise ValueError(
                 "Invalid stochastic_rounding: "
@@ -180,6 +192,7 @@ class Gefen(Optimizer):
             "stochastic_rounding": stochastic_rounding,
             "momentum_rounding": momentum_rounding,
             "second_moment": second_moment,
+            "update_clip": update_clip,
         }
         self.nonfinite = nonfinite
         self.nonfinite_steps = 0
@@ -367,6 +380,7 @@ class Gefen(Optimizer):
                     stochastic_rounding=group.get("stochastic_rounding"),
                     seed=seed,
                     stochastic_codes=code_rounding.group_stochastic(group),
+                    update_clip=_checks.update_clip_of(group),
                     index0=_dist.my_span(param).start if _dist.is_sharded(param) else 0,
                 )
             )

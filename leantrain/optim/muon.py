@@ -85,6 +85,8 @@ class GefenMuon(Optimizer):
         momentum_bits: 8, 4 or None (fp32 momentum), for both sides.
         momentum_rounding: "auto" (stochastic 4-bit codes, nearest 8-bit ones),
             "nearest" or "stochastic" (4-bit only), for both sides; as Gefen's.
+        update_clip: the AdamW side's bound on each element's step in units of
+            its lr, as Gefen's ("auto": 1.0 for 4-bit momentum, None otherwise).
         partition: Gefen's block length: "auto" (from the first gradient),
             "element", "tensor" or an int. For Muon parameters it sets the momentum
             quantization block (``qblock``); for AdamW ones also the second moment's.
@@ -137,6 +139,7 @@ class GefenMuon(Optimizer):
         adamw_weight_decay: float = 0.0,
         nonfinite: str = "skip",
         momentum_rounding: str = "auto",
+        update_clip: float | str | None = "auto",
     ) -> None:
         check_muon_options(
             lr,
@@ -155,6 +158,9 @@ class GefenMuon(Optimizer):
         code_rounding.resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
         _checks.check_nonfinite(nonfinite)
+        _checks.update_clip_of(
+            {"momentum_bits": momentum_bits, "update_clip": update_clip}
+        )
         check_ns_dtype(ns_dtype)
         defaults = {
             "lr": lr,
@@ -173,6 +179,7 @@ class GefenMuon(Optimizer):
             "adamw_eps": adamw_eps,
             "adamw_weight_decay": adamw_weight_decay,
             "momentum_rounding": momentum_rounding,
+            "update_clip": update_clip,
         }
         self.nonfinite = nonfinite
         self.nonfinite_steps = 0
@@ -230,6 +237,7 @@ class GefenMuon(Optimizer):
                 )
             _checks.check_momentum_bits(group["momentum_bits"])
             code_rounding.group_stochastic(group)  # validates momentum_rounding
+            _checks.update_clip_of(group)  # validates update_clip
             _checks.check_partition(group["partition"])
             check_ns_dtype(group["ns_dtype"])
             for position, param in enumerate(group["params"]):
@@ -344,6 +352,7 @@ class GefenMuon(Optimizer):
                     maximize=False,
                     seed=position[id(param)],
                     stochastic_codes=code_rounding.group_stochastic(group),
+                    update_clip=_checks.update_clip_of(group),
                 )
                 continue
             codebook = state.get("codebook")

@@ -28,16 +28,24 @@ from leantrain.optim._step import reference_step
 from leantrain.optim.quant import NearestCode
 
 
+@pytest.mark.parametrize("update_clip", [None, 1.0])
 @pytest.mark.parametrize("bits", [8, 4, None])
 @pytest.mark.parametrize("n,period", SHAPES)
-def test_matches_reference_step(backend, bits, n, period):
-    """fused_step == reference_step to fp32 rounding, step after step."""
+def test_matches_reference_step(backend, bits, n, period, update_clip):
+    """fused_step == reference_step to fp32 rounding, step after step (with
+    ``update_clip`` 1.0 the clip binds on 5-55 % of the elements of the first
+    step, but for the single element)."""
     torch.manual_seed(n + period)
     param = torch.randn(n)
     state = random_state(n, period, bits, seed=n)
     mismatches = 0
     for step in range(3):
-        hyper = dict(HYPER, maximize=step == 1, weight_decay=0.1 * (step != 2))
+        hyper = dict(
+            HYPER,
+            maximize=step == 1,
+            weight_decay=0.1 * (step != 2),
+            update_clip=update_clip,
+        )
         grad = torch.randn(n) * (1 + torch.arange(n) % 5)
         mine, ref = copy_state(state), copy_state(state)
         p_mine, p_ref = param.clone(), param.clone()
@@ -69,7 +77,19 @@ def test_matches_reference_step(backend, bits, n, period):
     assert mismatches <= max(1, 3 * n // 10_000)
 
 
-def contract_step(param, grad, state, *, lr, beta1, beta2, eps, weight_decay, maximize):
+def contract_step(
+    param,
+    grad,
+    state,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    maximize,
+    update_clip=None,
+):
     """docs/CONTRACTS.md read literally: brute-force nearest code in float64."""
     n, p = param.numel(), int(state["period"])
     g = -grad if maximize else grad
@@ -95,20 +115,30 @@ def contract_step(param, grad, state, *, lr, beta1, beta2, eps, weight_decay, ma
     denom = (
         v.sqrt()[blocks if p > 1 else torch.arange(n)] / math.sqrt(1 - beta2**t) + eps
     )
-    param.sub_(lr / (1 - beta1**t) * m / denom)  # the update uses the exact new m
+    step = lr / (1 - beta1**t) * m / denom  # the update uses the exact new m
+    if update_clip is not None:
+        step = step.clamp(-lr * update_clip, lr * update_clip)
+    param.sub_(step)
     return codes, absmax
 
 
+@pytest.mark.parametrize("update_clip", [None, 1.0])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n,period", [(1001, 7), (999, 1), (777, 777)])
-def test_matches_contract_brute_force(backend, bits, n, period):
+def test_matches_contract_brute_force(backend, bits, n, period, update_clip):
     """An independent reading of the contract: codes equal, params within roundings."""
     state = random_state(n, period, bits, seed=7)
     param, grad = torch.randn(n), torch.randn(n)
     mine, ref = copy_state(state), copy_state(state)
     p_mine, p_ref = param.clone(), param.clone()
-    _fused.fused_step(p_mine, grad, mine, **HYPER)
-    codes, absmax = contract_step(p_ref, grad, ref, **HYPER)
+    hyper = dict(HYPER, update_clip=update_clip)
+    _fused.fused_step(p_mine, grad, mine, **hyper)
+    free = param.clone()  # the same step without a clip
+    contract_step(free, grad, copy_state(state), **HYPER)
+    codes, absmax = contract_step(p_ref, grad, ref, **hyper)
+    if update_clip is not None:  # the clip binds on some elements, not all
+        clipped = float((free != p_ref).float().mean())
+        assert 0 < clipped < 0.9, clipped
     torch.testing.assert_close(mine["exp_avg_absmax"], absmax, rtol=1e-6, atol=0)
     assert int((codes_of(mine, n).long() != codes).sum()) <= 1
     torch.testing.assert_close(mine["exp_avg_sq"], ref["exp_avg_sq"], rtol=1e-6, atol=0)
@@ -333,6 +363,8 @@ def test_gefen_trains_the_same_with_the_fused_step(backend, bits):
                     # parameter on the stream of its index in the optimizer
                     stochastic_codes=bits == 4,
                     seed=seed,
+                    # update_clip="auto": 4-bit steps clipped to lr per element
+                    update_clip=1.0 if bits == 4 else None,
                 )
                 refs.append((q, st))
         opt.step()

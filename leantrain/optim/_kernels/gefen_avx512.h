@@ -111,7 +111,7 @@ static int64_t lt_momentum4_avx512(const float *restrict g, const uint8_t *restr
 
 /* Pass 2 for a learned 8-bit codebook over the first multiple of 16 of [0, len):
    nearest code of m / amax (lt_cells + lt_lookup's entry path), and
-   p = p * decay - (step_size * m) / denom (lt_update; per element denom from vel
+   p = p * decay - clip((step_size * m) / denom) (lt_update; per element denom from vel
    when vel is not NULL). Returns the number of elements done. */
 static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restrict m,
                                        float amax, int64_t len, float *restrict p,
@@ -126,6 +126,8 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
   const __m512i inc = _mm512_set1_epi32(1);
   const __m512 v_decay = _mm512_set1_ps(h->decay), v_ss = _mm512_set1_ps(h->step_size);
   const __m512 v_denom = _mm512_set1_ps(denom_block);
+  const __m512 v_bound = _mm512_set1_ps(h->max_step);
+  const __m512 v_nbound = _mm512_set1_ps(-h->max_step);
   const __m512 v_bc2 = _mm512_set1_ps(h->sqrt_bc2), v_eps = _mm512_set1_ps(h->eps);
   const long long *entry = (const long long *)q->entry;
   int64_t k = 0;
@@ -149,7 +151,10 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
             : v_denom;
     const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(p + k), v_decay);
     const __m512 step = _mm512_mul_ps(v_ss, _mm512_loadu_ps(m + k)); /* exact m */
-    _mm512_storeu_ps(p + k, _mm512_sub_ps(w, _mm512_div_ps(step, denom)));
+    /* lt_clip: min/max return their second operand on NaN, so a NaN stays */
+    __m512 u = _mm512_min_ps(v_bound, _mm512_div_ps(step, denom));
+    u = _mm512_max_ps(v_nbound, u);
+    _mm512_storeu_ps(p + k, _mm512_sub_ps(w, u));
   }
   return k;
 }

@@ -12,7 +12,7 @@
  *   param *= 1 - lr * weight_decay
  *   m      = lerp(codebook[code] * absmax, g, 1 - beta1)
  *   absmax = max_block |m|;  code = nearest_code(m / absmax)  (absmax 0 -> code of 0)
- *   param -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+ *   param -= clip((lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), lr * update_clip)
  * The update uses the exact new m; only the stored copy is quantized.
  * With period 1 the second moment is per element (and `block` is the absmax block).
  * With fp32 momentum (bits 0) m = lerp(m, g, 1 - beta1) is stored as is.
@@ -69,6 +69,7 @@ typedef struct {
   float sqrt_bc2;  /* sqrt(1 - beta2**step) */
   float eps;       /* added to the corrected sqrt(v) */
   float sign;      /* +1, or -1 when maximizing */
+  float max_step;  /* lr * update_clip: the largest step of one element (inf: none) */
 } lt_hyper;
 
 typedef struct { /* per-thread buffers of `chunk` elements */
@@ -172,23 +173,31 @@ static double lt_momentum(const float *restrict g, const uint8_t *restrict codes
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* p = p * decay - (step_size * m) / denom over len elements (p, vel: those
+/* step clipped to [-bound, bound]; written so that a NaN step stays NaN (as
+   torch.clamp) and so that it compiles to minps/maxps: min(bound, x) is
+   bound < x ? bound : x, whose NaN case returns x. */
+static inline float lt_clip(float x, float bound) {
+  x = bound < x ? bound : x;
+  return -bound > x ? -bound : x;
+}
+
+/* p = p * decay - clip((step_size * m) / denom) over len elements (p, vel: those
    elements of the parameter in fp32 and, with period 1, of v). */
 static void lt_update(float *restrict p, const float *restrict m,
                       const float *restrict vel, float denom_block, const lt_hyper *h,
                       int64_t len) {
-  const float ss = h->step_size, decay = h->decay;
+  const float ss = h->step_size, decay = h->decay, bound = h->max_step;
   if (vel == 0) {
     for (int64_t k = 0; k < len; k++) {
       float w = p[k] * decay;
-      p[k] = w - (ss * m[k]) / denom_block;
+      p[k] = w - lt_clip((ss * m[k]) / denom_block, bound);
     }
   } else { /* period 1: one second moment per element */
     const float *restrict v = vel;
     for (int64_t k = 0; k < len; k++) {
       float denom = sqrtf(v[k]) / h->sqrt_bc2 + h->eps;
       float w = p[k] * decay;
-      p[k] = w - (ss * m[k]) / denom;
+      p[k] = w - lt_clip((ss * m[k]) / denom, bound);
     }
   }
 }
