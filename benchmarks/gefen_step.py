@@ -136,6 +136,19 @@ def stochastic_codes_step(param, grad, state, **hyper):
     _fused.fused_step(param, grad, state, **hyper, stochastic_codes=True, seed=1)
 
 
+def default_4bit_step(param, grad, state, **hyper):
+    """Gefen's 4-bit default on a matrix: stochastic codes, steps clipped to lr
+    (``update_clip="auto"``; the factored state comes from ``gefen_case``)."""
+    _fused.fused_step(
+        param, grad, state, **hyper, stochastic_codes=True, seed=1, update_clip=1.0
+    )
+
+
+def clipped_step(param, grad, state, **hyper):
+    """The fused step with every element's step clipped to lr (``update_clip=1``)."""
+    _fused.fused_step(param, grad, state, **hyper, update_clip=1.0)
+
+
 def torch_fallback(param, grad, state, **hyper):
     """The PyTorch fallback, forced even where the kernel could run."""
     state["step"] += 1
@@ -229,6 +242,16 @@ def main() -> None:
         (
             "Gefen fused C, 4-bit, stochastic, factored v",
             lambda: gefen_case(n, p, 4, stochastic_codes_step, factored=True),
+            False,
+        ),
+        (
+            "Gefen fused C, 4-bit default (+ clip)",
+            lambda: gefen_case(n, p, 4, default_4bit_step, factored=True),
+            False,
+        ),
+        (
+            "Gefen fused C, 8-bit, clipped",
+            lambda: gefen_case(n, p, 8, clipped_step),
             False,
         ),
         (

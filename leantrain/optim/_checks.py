@@ -98,18 +98,23 @@ def check_second_moment(value: object, partition: object) -> None:
         )
 
 
-# update_clip="auto": the bound for 4-bit momentum. Its codes are coarse near 0, so
-# a weight with a small sqrt(v) in a block with a large absmax sees the codes'
-# rounding error divided by that small sqrt(v): a step of many lr. One lr per
-# element is Adam's own nominal bound (its first step is exactly lr per element).
+# update_clip="auto": the bound for 4-bit momentum on a second moment of the weight's
+# own (factored or per element). The codes are coarse near 0, so a weight with a
+# small sqrt(v) in a block with a large absmax sees the codes' rounding error divided
+# by that small sqrt(v): a step of many lr. One lr per element is Adam's own nominal
+# step. A block-shared v does not have the problem (a quiet weight shares a loud
+# block's v), and there a clip only cuts the legitimate steps of the loud weights
+# (measured worse: docs/gefen.md, "Update clipping").
 AUTO_UPDATE_CLIP = 1.0
 
 
-def update_clip_of(group: dict) -> float | None:
+def update_clip_of(group: dict, state: dict | None = None) -> float | None:
     """The bound on each element's ``|m_hat / (sqrt(v_hat) + eps)|`` a param group
-    asks for: ``update_clip`` resolved ("auto": :data:`AUTO_UPDATE_CLIP` for 4-bit
-    momentum, None otherwise; a group from a checkpoint older than the option has
-    none: "auto"). None: no clipping, AdamW's update.
+    asks for, for a parameter with ``state``: ``update_clip`` resolved. "auto" is
+    :data:`AUTO_UPDATE_CLIP` for 4-bit momentum on a factored or per-element
+    (``period`` 1) second moment, None otherwise (and None without a state); a group
+    from a checkpoint older than the option has none: "auto". None: no clipping,
+    AdamW's update.
 
     Raises:
         ValueError: not "auto", None or a positive finite number.
@@ -117,7 +122,10 @@ def update_clip_of(group: dict) -> float | None:
     """
     clip = group.get("update_clip", "auto")
     if isinstance(clip, str) and clip == "auto":
-        return AUTO_UPDATE_CLIP if group["momentum_bits"] == 4 else None
+        own_v = state is not None and (
+            "factored" in state or int(state.get("period", 0)) == 1
+        )
+        return AUTO_UPDATE_CLIP if group["momentum_bits"] == 4 and own_v else None
     if clip is None:
         return None
     if isinstance(clip, str) or isinstance(clip, bool):

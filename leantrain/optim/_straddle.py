@@ -75,5 +75,5 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
             weight_decay=float(group["weight_decay"]),
             stochastic_codes=code_rounding.group_stochastic(group),
             seed=seed,
-            update_clip=update_clip_of(group),
+            update_clip=update_clip_of(group, states[param]),
         )

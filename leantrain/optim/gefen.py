@@ -128,11 +128,13 @@ class Gefen(Optimizer):
         update_clip: the largest step of one element, in units of lr: each
             element's :math:`|\hat m / (\sqrt{\hat v} + \epsilon)|` is clipped to
             it (weight decay is not). None: no clipping (AdamW's update). "auto":
-            1.0 for 4-bit momentum, None otherwise. The coarse 4-bit codes' rounding
-            error, divided by a weight's small :math:`\sqrt{v}`, can otherwise make
-            steps of many lr (an MLP on pixels: 1.034x -> 1.006x AdamW's loss over
-            eight seeds); Adam's own steps are about lr per element. May be set per
-            param group. See docs/gefen.md, "Update clipping".
+            1.0 for 4-bit momentum on a factored or per-element second moment (the
+            4-bit default for matrices), None otherwise. The coarse 4-bit codes'
+            rounding error, divided by a weight's own small :math:`\sqrt{v}`, can
+            otherwise make steps of many lr (an MLP on pixels: 1.037x -> 1.003x
+            AdamW's loss over eight seeds); Adam's own steps are about lr per
+            element. May be set per param group. See docs/gefen.md, "Update
+            clipping".
 
     Raises:
         ValueError: an invalid hyper-parameter, naming the value.
@@ -380,7 +382,7 @@ class Gefen(Optimizer):
                     stochastic_rounding=group.get("stochastic_rounding"),
                     seed=seed,
                     stochastic_codes=code_rounding.group_stochastic(group),
-                    update_clip=_checks.update_clip_of(group),
+                    update_clip=_checks.update_clip_of(group, self.state[param]),
                     index0=_dist.my_span(param).start if _dist.is_sharded(param) else 0,
                 )
             )

@@ -86,7 +86,8 @@ class GefenMuon(Optimizer):
         momentum_rounding: "auto" (stochastic 4-bit codes, nearest 8-bit ones),
             "nearest" or "stochastic" (4-bit only), for both sides; as Gefen's.
         update_clip: the AdamW side's bound on each element's step in units of
-            its lr, as Gefen's ("auto": 1.0 for 4-bit momentum, None otherwise).
+            its lr, as Gefen's ("auto": 1.0 for 4-bit momentum with
+            ``partition="element"``, None otherwise: this side keeps blocks).
         partition: Gefen's block length: "auto" (from the first gradient),
             "element", "tensor" or an int. For Muon parameters it sets the momentum
             quantization block (``qblock``); for AdamW ones also the second moment's.
@@ -352,7 +353,7 @@ class GefenMuon(Optimizer):
                     maximize=False,
                     seed=position[id(param)],
                     stochastic_codes=code_rounding.group_stochastic(group),
-                    update_clip=_checks.update_clip_of(group),
+                    update_clip=_checks.update_clip_of(group, state),
                 )
                 continue
             codebook = state.get("codebook")

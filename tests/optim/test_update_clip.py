@@ -19,12 +19,13 @@ from leantrain.optim._checks import update_clip_of
 LR, WD = 1e-2, 1e-2
 
 
-def mixed_scale_run(update_clip, steps=30, bits=4):
+def mixed_scale_run(update_clip, steps=30, bits=4, second_moment="auto"):
     """A linear layer whose inputs are a quarter 1000x smaller than the rest: its
     momentum blocks' absmax comes from the large ones, the small ones' sqrt(v) is
     tiny, so 4-bit codes' rounding error makes large steps there. Returns the
-    largest step of any weight over the run, in units of lr (weight decay
-    removed), and the trained layer."""
+    largest step of any element of the weight matrix (factored under "auto"; the
+    1-D bias keeps blocks) over the run, in units of lr (weight decay removed), and
+    the trained layer."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 8)
     scale = torch.ones(64)
@@ -35,27 +36,32 @@ def mixed_scale_run(update_clip, steps=30, bits=4):
         weight_decay=WD,
         momentum_bits=bits,
         update_clip=update_clip,
+        second_moment=second_moment,
     )
     worst = 0.0
     for _ in range(steps):
         x, y = torch.randn(32, 64) * scale, torch.randn(32, 8)
         opt.zero_grad()
         (lin(x) - y).square().mean().backward()
-        before = [p.detach().double() for p in lin.parameters()]
+        before = lin.weight.detach().double()
         opt.step()
-        for p, old in zip(lin.parameters(), before, strict=True):
-            step = p.detach().double() - old * (1 - LR * WD)
-            worst = max(worst, float(step.abs().max()) / LR)
+        step = lin.weight.detach().double() - before * (1 - LR * WD)
+        worst = max(worst, float(step.abs().max()) / LR)
     return worst, lin
 
 
-def test_auto_means_one_lr_for_4bit_and_no_clip_otherwise():
-    assert update_clip_of({"momentum_bits": 4}) == 1.0  # an old group: "auto"
-    assert update_clip_of({"momentum_bits": 4, "update_clip": "auto"}) == 1.0
-    for bits in (8, None):
-        assert update_clip_of({"momentum_bits": bits, "update_clip": "auto"}) is None
-    assert update_clip_of({"momentum_bits": 4, "update_clip": None}) is None
-    assert update_clip_of({"momentum_bits": 8, "update_clip": 2}) == 2.0
+def test_auto_means_one_lr_for_4bit_on_a_weights_own_v():
+    factored = {"factored": torch.tensor(8), "period": torch.tensor(64)}
+    element, blocks = {"period": torch.tensor(1)}, {"period": torch.tensor(64)}
+    for own in (factored, element):
+        assert update_clip_of({"momentum_bits": 4}, own) == 1.0  # old group: "auto"
+        assert update_clip_of({"momentum_bits": 4, "update_clip": "auto"}, own) == 1.0
+        for bits in (8, None):
+            assert update_clip_of({"momentum_bits": bits}, own) is None
+    assert update_clip_of({"momentum_bits": 4}, blocks) is None
+    assert update_clip_of({"momentum_bits": 4}) is None  # no state: no layout yet
+    assert update_clip_of({"momentum_bits": 4, "update_clip": None}, element) is None
+    assert update_clip_of({"momentum_bits": 8, "update_clip": 2}, blocks) == 2.0
     assert update_clip_of({"momentum_bits": 8, "update_clip": torch.tensor(0.5)}) == 0.5
 
 
@@ -64,6 +70,15 @@ def test_4bit_steps_are_bounded_by_lr_by_default():
     free, _ = mixed_scale_run(None)
     assert clipped <= 1.0 + 1e-5  # fp32 roundings of the weight, not of the bound
     assert free > 20.0  # what the clip is for: steps of tens of lr
+
+
+def test_4bit_blocks_are_not_clipped_by_default():
+    """A block-shared v: "auto" means no clip, bit for bit (steps over lr happen)."""
+    auto_worst, auto = mixed_scale_run("auto", steps=10, second_moment="blocks")
+    _, none = mixed_scale_run(None, steps=10, second_moment="blocks")
+    for a, b in zip(auto.parameters(), none.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert auto_worst > 1.5
 
 
 @pytest.mark.parametrize("clip", [0.5, 2.0])
