@@ -209,3 +209,34 @@ def test_bad_update_clip_is_rejected_by_name(bad):
 def test_non_number_update_clip_is_a_type_error():
     with pytest.raises(TypeError, match="update_clip"):
         Gefen(torch.nn.Linear(3, 2).parameters(), update_clip=[1.0])
+
+
+def test_gefen_muon_adamw_side_clips_like_gefen():
+    """GefenMuon's AdamW side with 4-bit per-element v: "auto" clips it, as Gefen."""
+    torch.manual_seed(0)
+    mine, theirs, free = (torch.nn.Linear(64, 8) for _ in range(3))
+    theirs.load_state_dict(mine.state_dict())
+    free.load_state_dict(mine.state_dict())
+    hyper = {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": WD}
+
+    def adamw_side(model, clip):
+        group = {"params": model.parameters(), "use_muon": False, **hyper}
+        return GefenMuon(
+            [group], momentum_bits=4, partition="element", update_clip=clip
+        )
+
+    muon, unclipped = adamw_side(mine, "auto"), adamw_side(free, None)
+    gefen = Gefen(theirs.parameters(), momentum_bits=4, partition="element", **hyper)
+    scale = torch.ones(64)
+    scale[:16] = 1e-3
+    for _ in range(10):
+        x, y = torch.randn(32, 64) * scale, torch.randn(32, 8)
+        for model, opt in ((mine, muon), (theirs, gefen), (free, unclipped)):
+            opt.zero_grad()
+            (model(x) - y).square().mean().backward()
+            opt.step()
+    for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(mine.weight, free.weight)  # the clip did bind
+    state = muon.state[mine.weight]
+    assert update_clip_of(muon.param_groups[0], state) == 1.0
