@@ -217,8 +217,9 @@ def test_long_blocks_and_threads_are_bitwise_identical(bits):
     with 4-bit codes (pairs of blocks per thread): all give the same bits."""
     if _native.load() is None:
         pytest.skip(f"native kernel unavailable: {_native.status()}")
-    h = _fused.hyperparameters(4.0, **HYPER)
-    for n, period in [(30001, 333), (20001, 7), (9999, 9999)]:
+    cases = [(30001, 333, None), (20001, 7, 1.0), (9999, 9999, None), (9999, 9999, 1.0)]
+    for n, period, update_clip in cases:
+        h = _fused.hyperparameters(4.0, **HYPER, update_clip=update_clip)
         state = random_state(n, period, bits, seed=period)
         param, grad = torch.randn(n), torch.randn(n)
         results = []
@@ -235,8 +236,8 @@ def test_long_blocks_and_threads_are_bitwise_identical(bits):
 def test_torch_long_blocks_match_whole_blocks(monkeypatch):
     """The fallback's two-pass path for blocks longer than a chunk."""
     n, period = 3001, 1000
-    h = _fused.hyperparameters(4.0, **HYPER)
-    for bits in [8, 4, None]:
+    for bits, update_clip in [(8, None), (4, 1.0), (None, None), (None, 1.0)]:
+        h = _fused.hyperparameters(4.0, **HYPER, update_clip=update_clip)
         state = random_state(n, period, bits, seed=11)
         param, grad = torch.randn(n), torch.randn(n)
         s1, s2 = copy_state(state), copy_state(state)
@@ -263,25 +264,29 @@ def test_low_precision_and_strided_params_match_the_reference(backend):
         grad = torch.randn(n, dtype=param.dtype).view(param.shape)
         mine, ref = copy_state(state), copy_state(state)
         p_mine, p_ref = param.clone(), param.clone()
-        _fused.fused_step(p_mine, grad, mine, **HYPER, stochastic_rounding=False)
-        reference_step(p_ref, grad, ref, **HYPER)
+        hyper = dict(HYPER, update_clip=1.0)  # binds on some elements
+        _fused.fused_step(p_mine, grad, mine, **hyper, stochastic_rounding=False)
+        reference_step(p_ref, grad, ref, **hyper)
         assert torch.equal(codes_of(mine, n), codes_of(ref, n))
         torch.testing.assert_close(p_mine.float(), p_ref.float(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("update_clip", [None, 1.0])
 @pytest.mark.parametrize("bits", [8, 4, None])
-def test_cuda_compiled_step_matches_reference(bits):
-    """On CUDA the chunk function is torch.compile'd; same result as the reference."""
+def test_cuda_compiled_step_matches_reference(bits, update_clip):
+    """On CUDA the chunk function is torch.compile'd; same result as the reference
+    (the clip's bound goes in as a 0-dim tensor, inf without a clip)."""
     n, period = 50_001, 97
     state = random_state(n, period, bits, seed=2)
     param, grad = torch.randn(n), torch.randn(n)
     cuda_state = {k: v.cuda() for k, v in state.items()}
     p_cuda = param.cuda()
-    _fused.fused_step(p_cuda, grad.cuda(), cuda_state, **HYPER)
+    hyper = dict(HYPER, update_clip=update_clip)
+    _fused.fused_step(p_cuda, grad.cuda(), cuda_state, **hyper)
     ref = copy_state(state)
-    reference_step(param, grad, ref, **HYPER)
+    reference_step(param, grad, ref, **hyper)
     if bits:
         diff = codes_of(cuda_state, n).cpu().int() - codes_of(ref, n).int()
         assert int(diff.abs().max()) <= 1 and int((diff != 0).sum()) <= 5
