@@ -77,7 +77,10 @@ def max_step(lr: float, update_clip: float | None) -> float:
     (every path compares fp32 steps with this same number); inf without a clip."""
     if update_clip is None:
         return math.inf
-    return struct.unpack("f", struct.pack("f", lr * update_clip))[0]
+    try:
+        return struct.unpack("f", struct.pack("f", lr * update_clip))[0]
+    except OverflowError:  # beyond fp32's range: no fp32 step reaches it
+        return math.inf
 
 
 def apply_update(

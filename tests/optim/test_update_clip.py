@@ -240,3 +240,11 @@ def test_gefen_muon_adamw_side_clips_like_gefen():
     assert not torch.equal(mine.weight, free.weight)  # the clip did bind
     state = muon.state[mine.weight]
     assert update_clip_of(muon.param_groups[0], state) == 1.0
+
+
+def test_bound_is_lr_times_clip_in_fp32_and_never_overflows():
+    from leantrain.optim._step import max_step
+
+    assert max_step(1e-3, 1.0) == float(torch.tensor(1e-3, dtype=torch.float32))
+    assert max_step(1e-3, None) == float("inf")
+    assert max_step(1e30, 1e10) == float("inf")  # past fp32's range: no bound
