@@ -297,8 +297,9 @@ def main() -> None:
             del step
     base, fused = rows[0][1], rows[1][1]
     param_bytes = 4 * n
+    width = max(len(name) for name, *_ in rows)
     header = (
-        f"{'step':32s} {'ms/step':>9s} {'/AdamW':>7s} {'/fused':>7s} "
+        f"{'step':{width}s} {'ms/step':>9s} {'/AdamW':>7s} {'/fused':>7s} "
         f"{'peak extra MiB':>15s} {'x param':>8s}"
     )
     print(header)
@@ -307,7 +308,7 @@ def main() -> None:
         mib = "n/a" if extra is None else f"{extra / 2**20:.1f}"
         frac = "n/a" if extra is None else f"{extra / param_bytes:.3f}"
         print(
-            f"{name:32s} {seconds * 1e3:9.1f} {seconds / base:7.2f} "
+            f"{name:{width}s} {seconds * 1e3:9.1f} {seconds / base:7.2f} "
             f"{seconds / fused:7.2f} {mib:>15s} {frac:>8s}"
         )
     cold, warm = first_call_times()
