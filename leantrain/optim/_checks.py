@@ -122,10 +122,10 @@ def update_clip_of(group: dict, state: dict | None = None) -> float | None:
     """
     clip = group.get("update_clip", "auto")
     if isinstance(clip, str) and clip == "auto":
-        own_v = state is not None and (
-            "factored" in state or int(state.get("period", 0)) == 1
-        )
-        return AUTO_UPDATE_CLIP if group["momentum_bits"] == 4 and own_v else None
+        if group["momentum_bits"] != 4 or state is None:
+            return None
+        own_v = "factored" in state or int(state.get("period", 0)) == 1
+        return AUTO_UPDATE_CLIP if own_v else None
     if clip is None:
         return None
     if isinstance(clip, str) or isinstance(clip, bool):
