@@ -39,11 +39,13 @@ from leantrain.models import CNN, GPT, MLP, lm_loss
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
 
 
-def _gefen(bits: int | None, second_moment: str = "auto") -> OptimizerFactory:
+def _gefen(bits: int | None, **options) -> OptimizerFactory:
+    """Gefen with ``bits`` of momentum and ``options`` (its keyword options)."""
+
     def make(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
         from leantrain.optim import Gefen  # imported late: only when asked for
 
-        return Gefen(params, lr=lr, momentum_bits=bits, second_moment=second_moment)
+        return Gefen(params, lr=lr, momentum_bits=bits, **options)
 
     return make
 
@@ -55,8 +57,9 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "gefen8": _gefen(8),
     "gefen4": _gefen(4),
     "gefen-fp32": _gefen(None),
-    "gefen8-factored": _gefen(8, "factored"),
-    "gefen4-blocks": _gefen(4, "blocks"),
+    "gefen8-factored": _gefen(8, second_moment="factored"),
+    "gefen4-blocks": _gefen(4, second_moment="blocks"),
+    "gefen4-noclip": _gefen(4, update_clip=None),
 }
 OPTIMIZER_LABELS = {
     "adamw": "AdamW",
@@ -65,6 +68,7 @@ OPTIMIZER_LABELS = {
     "gefen-fp32": "Gefen fp32-m",
     "gefen8-factored": "Gefen 8-bit, factored v",
     "gefen4-blocks": "Gefen 4-bit, blocks v",
+    "gefen4-noclip": "Gefen 4-bit, no clip",
 }
 
 

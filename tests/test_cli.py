@@ -128,7 +128,11 @@ def test_compare_cnn_on_a_png_folder(tmp_path, capsys):
 
 def test_registry_names():
     assert {"adamw", "gefen8", "gefen4", "gefen-fp32"} <= set(OPTIMIZERS)
-    assert {"gefen8-factored", "gefen4-blocks"} <= set(OPTIMIZERS)
+    assert {"gefen8-factored", "gefen4-blocks", "gefen4-noclip"} <= set(OPTIMIZERS)
+    params = [torch.nn.Parameter(torch.zeros(3, 2))]
+    group = OPTIMIZERS["gefen4-noclip"](params, 1e-3).param_groups[0]
+    assert group["update_clip"] is None and group["momentum_bits"] == 4
+    assert OPTIMIZERS["gefen4"](params, 1e-3).param_groups[0]["update_clip"] == "auto"
 
 
 @pytest.mark.parametrize(
