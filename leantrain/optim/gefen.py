@@ -131,9 +131,9 @@ class Gefen(Optimizer):
             1.0 for 4-bit momentum on a factored or per-element second moment (the
             4-bit default for matrices), None otherwise. The coarse 4-bit codes'
             rounding error, divided by a weight's own small :math:`\sqrt{v}`, can
-            otherwise make steps of many lr (an MLP on pixels: 1.037x -> 1.003x
-            AdamW's loss over eight seeds); Adam's own steps are about lr per
-            element. May be set per param group. See docs/gefen.md, "Update
+            otherwise make steps of many lr (an MLP on pixels: validation loss
+            1.037x -> 1.007x AdamW's over eight seeds, training loss 0.98x ->
+            1.04x); Adam's own steps are about lr per element. May be set per param group. See docs/gefen.md, "Update
             clipping".
 
     Raises:
