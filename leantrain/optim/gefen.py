@@ -133,8 +133,8 @@ class Gefen(Optimizer):
             rounding error, divided by a weight's own small :math:`\sqrt{v}`, can
             otherwise make steps of many lr (an MLP on pixels: validation loss
             1.037x -> 1.007x AdamW's over eight seeds, training loss 0.98x ->
-            1.04x); Adam's own steps are about lr per element. May be set per param group. See docs/gefen.md, "Update
-            clipping".
+            1.04x); Adam's own steps are about lr per element. May be set per
+            param group. See docs/gefen.md, "Update clipping".
 
     Raises:
         ValueError: an invalid hyper-parameter, naming the value.
