@@ -130,23 +130,21 @@ def gefen_case(
     return step
 
 
-def stochastic_codes_step(param, grad, state, **hyper):
-    """The fused step with 4-bit codes rounded stochastically (Gefen's default for
-    4-bit momentum, ``momentum_rounding="auto"``)."""
-    _fused.fused_step(param, grad, state, **hyper, stochastic_codes=True, seed=1)
+def fused_with(**options):
+    """The fused step with ``fused_step`` options added to every call."""
+
+    def step(param, grad, state, **hyper):
+        _fused.fused_step(param, grad, state, **hyper, **options)
+
+    return step
 
 
-def default_4bit_step(param, grad, state, **hyper):
-    """Gefen's 4-bit default on a matrix: stochastic codes, steps clipped to lr
-    (``update_clip="auto"``; the factored state comes from ``gefen_case``)."""
-    _fused.fused_step(
-        param, grad, state, **hyper, stochastic_codes=True, seed=1, update_clip=1.0
-    )
-
-
-def clipped_step(param, grad, state, **hyper):
-    """The fused step with every element's step clipped to lr (``update_clip=1``)."""
-    _fused.fused_step(param, grad, state, **hyper, update_clip=1.0)
+# 4-bit codes rounded stochastically: Gefen's default for 4-bit momentum
+# (momentum_rounding="auto"); with update_clip=1 too, its default on a factored
+# matrix (update_clip="auto"); update_clip=1 alone on 8-bit blocks shows the clamp.
+stochastic_codes_step = fused_with(stochastic_codes=True, seed=1)
+default_4bit_step = fused_with(stochastic_codes=True, seed=1, update_clip=1.0)
+clipped_step = fused_with(update_clip=1.0)
 
 
 def torch_fallback(param, grad, state, **hyper):

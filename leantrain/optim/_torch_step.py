@@ -110,9 +110,13 @@ def _ema(v: Tensor, x: Tensor, h: dict) -> None:
 
 
 def _clipped(step: Tensor, h: dict) -> Tensor:
-    """Each element's step clipped to ``h["max_step"]`` (fp32; inf without a
-    clip, which changes nothing and lets NaN through, like the reference)."""
-    return step.clamp_(-h["max_step"], h["max_step"])
+    """Each element's step clipped to ``h["max_step"]`` (fp32, or a 0-dim tensor
+    on the compiled path, where clamping with inf is fused and free; inf without a
+    clip: eager, no pass at all). NaN goes through, as in the reference."""
+    bound = h["max_step"]
+    if not isinstance(bound, Tensor) and math.isinf(bound):
+        return step
+    return step.clamp_(-bound, bound)
 
 
 def _chunk(
