@@ -42,6 +42,12 @@ def test_summary_is_the_geometric_mean_with_a_t_interval(seeds_module):
     half = 3.18 * statistics.stdev(logs) / 2  # t(0.975, 3 dof), sqrt(4)
     assert low == pytest.approx(mean * math.exp(-half))
     assert high == pytest.approx(mean * math.exp(half))
+    # sixteen and more seeds still use t (20 dof: 2.09), not the normal 1.96
+    many = [1.0 + 0.01 * (i % 5) for i in range(21)]
+    logs = [math.log(r) for r in many]
+    mean, low, _ = seeds_module.summary(many)
+    half = 2.09 * statistics.stdev(logs) / math.sqrt(21)
+    assert low == pytest.approx(mean * math.exp(-half))
     same = seeds_module.summary([1.02, 1.02, 1.02])
     assert same == pytest.approx((1.02, 1.02, 1.02))
     one = seeds_module.summary([1.3])
@@ -89,6 +95,12 @@ def test_short_run_prints_every_seed_and_the_summary(seeds_module, capsys, tmp_p
         assert eps_ratio == pytest.approx(1.0, abs=1e-2)
         assert math.isfinite(gefen_ratio) and gefen_ratio > 0
     assert "geo-mean" in out and "8:auto" in out
+    # the summary also holds each variant's training-loss ratio and its interval
+    after_header = out.split("geo-mean")[1].splitlines()
+    eps_row = next(line.split() for line in after_header if "adamw-eps" in line)
+    eps_train = float(eps_row[4])  # name, mean, [low, high], train mean, ...
+    assert eps_train == pytest.approx(1.0, abs=1e-2)
+    assert "train loss" in out
     png = (tmp_path / "seeds.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     # the study leaves compare's registry and the thread count as it found them
