@@ -23,7 +23,8 @@ Run: ``python benchmarks/gefen_seeds.py --model gpt --seeds 0-7`` (2 threads: ab
 and CNN take seconds per seed). ``--plot PATH`` also draws every seed's ratio and the
 summaries as a PNG. ``--variants`` takes ``adamw-eps``, ``adamw-lr`` and
 ``benchmarks/gefen_quality.py``'s ``BITS:PARTITION`` specs (``8:auto`` is Gefen
-8-bit). Results: docs/benchmarks.md, "Gefen — quality over seeds".
+8-bit), and ``probe:SPEC`` for ``benchmarks/second_moment_probes.py``'s AdamW with a
+swapped second moment. Results: docs/benchmarks.md, "Gefen — quality over seeds".
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gefen_quality import make_optimizer  # noqa: E402
+from second_moment_probes import ProbeAdamW, parse_probe  # noqa: E402
 
 from leantrain import compare  # noqa: E402
 from leantrain.cli import build_parser  # noqa: E402
@@ -94,6 +96,11 @@ def register(spec: str) -> str:
     if spec.startswith("adamw-"):
         control(spec, [torch.zeros(1, requires_grad=True)], 1e-3)  # validate now
         compare.OPTIMIZERS[spec] = lambda params, lr: control(spec, params, lr)
+        return spec
+    if spec.startswith("probe:"):
+        probe = spec.removeprefix("probe:")
+        parse_probe(probe)  # validate now
+        compare.OPTIMIZERS[spec] = lambda params, lr: ProbeAdamW(params, lr, probe)
         return spec
     make_optimizer(spec, torch.nn.Linear(1, 1), 1e-3)  # validate now
 
