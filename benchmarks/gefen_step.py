@@ -139,9 +139,10 @@ def fused_with(**options):
     return step
 
 
-# 4-bit codes rounded stochastically: Gefen's default for 4-bit momentum
-# (momentum_rounding="auto"); with update_clip=1 too, its default on a factored
-# matrix (update_clip="auto"); update_clip=1 alone on 8-bit blocks shows the clamp.
+# Codes rounded stochastically: Gefen's default for 4-bit momentum
+# (momentum_rounding="auto"), momentum_rounding="stochastic" for 8-bit; with
+# update_clip=1 too, the 4-bit default on a factored matrix (update_clip="auto");
+# update_clip=1 alone on 8-bit blocks shows the clamp.
 stochastic_codes_step = fused_with(stochastic_codes=True, seed=1)
 default_4bit_step = fused_with(stochastic_codes=True, seed=1, update_clip=1.0)
 clipped_step = fused_with(update_clip=1.0)
@@ -230,6 +231,11 @@ def main() -> None:
         (
             "Gefen fused C, 4-bit, stochastic codes",
             lambda: gefen_case(n, p, 4, stochastic_codes_step),
+            False,
+        ),
+        (
+            "Gefen fused C, 8-bit, stochastic codes",
+            lambda: gefen_case(n, p, 8, stochastic_codes_step),
             False,
         ),
         (

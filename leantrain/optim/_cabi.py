@@ -162,7 +162,7 @@ def c_job(
         bits == 4 and packed_codes(param, state),
         bool(stochastic) and param.dtype == torch.bfloat16,
         key & 0xFFFFFFFFFFFFFFFF,
-        code_key is not None and bits == 4,
+        code_key is not None and bits in (4, 8),
         0,
         (code_key or 0) & 0xFFFFFFFFFFFFFFFF,
         index0,

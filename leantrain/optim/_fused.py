@@ -116,7 +116,7 @@ def c_step(
 
     ``param`` and ``grad`` are fp32 or bf16 (each on its own); a bf16 parameter is
     written back rounded to nearest, or stochastically (``stochastic``, keyed by
-    ``key``; see :mod:`leantrain.optim.precision`); with ``code_key`` its 4-bit codes
+    ``key``; see :mod:`leantrain.optim.precision`); with ``code_key`` its codes
     are rounded stochastically (:mod:`.code_rounding`); ``index0`` is the global
     flat index of its first element (a shard's offset); ``cbar``: a factored state's
     column-factor mean (its factors already updated). ``lib`` is the loaded library
@@ -212,8 +212,7 @@ def check_step(
     to do).
 
     Raises:
-        ValueError: grad and param differ in size, the state does not fit, or
-            ``stochastic_codes`` with 8-bit codes.
+        ValueError: grad and param differ in size, or the state does not fit.
         TypeError: a bad ``stochastic_rounding`` or a ``seed`` that is not an int.
     """
     n = param.numel()
@@ -225,11 +224,7 @@ def check_step(
     stochastic = default_stochastic(param.dtype, stochastic_rounding)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-    if stochastic_codes and layout[2] == 8:
-        raise ValueError(
-            "stochastic_codes needs 4-bit codes; this state holds 8-bit codes"
-        )
-    return layout, stochastic, bool(stochastic_codes) and layout[2] == 4
+    return layout, stochastic, bool(stochastic_codes) and layout[2] in (4, 8)
 
 
 @torch.no_grad()
@@ -268,7 +263,7 @@ def fused_step(
         seed: identifies the parameter's random stream; give every parameter its
             own (e.g. a base seed plus its index in the optimizer) and keep it
             across a checkpoint.
-        stochastic_codes: round 4-bit codes stochastically
+        stochastic_codes: round the codes (4- or 8-bit) stochastically
             (:mod:`leantrain.optim.code_rounding`, keyed by ``code_key(seed, step)``)
             as ``reference_step`` does with the same arguments.
         index0: the global flat index of ``param``'s first element, when it is a

@@ -181,7 +181,7 @@ def finish_step(
         head = span.start % qblock
         u = (padded_rows(m, span, qblock) / scale[:, None]).view(-1)
         codes = nearest_code(codebook)(u[head : head + n])
-        if stochastic_codes and codebook.numel() == 16:
+        if stochastic_codes:
             key = code_rounding.code_key(seed, int(state["step"]))
             each = padded_rows(torch.zeros(n, device=m.device), span, qblock)
             each = (each + amax[:, None]).view(-1)[head : head + n]

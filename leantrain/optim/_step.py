@@ -170,7 +170,7 @@ def reference_step(
         eps: added to the bias-corrected :math:`\sqrt{v}`.
         weight_decay: decoupled weight decay (``param *= 1 - lr * weight_decay``).
         maximize: ascend instead of descend (g = -grad).
-        stochastic_codes: store 4-bit codes with stochastic rounding
+        stochastic_codes: store 4-bit or 8-bit codes with stochastic rounding
             (:mod:`leantrain.optim.code_rounding`) instead of the nearest code.
         seed: the parameter's random stream (its index in the optimizer), keying
             ``code_key(seed, step)``.
@@ -204,7 +204,7 @@ def reference_step(
     else:
         qblock = period
     key = None
-    if stochastic_codes and codebook is not None and codebook.numel() == 16:
+    if stochastic_codes and codebook is not None:
         key = code_rounding.code_key(seed, int(state["step"]))
     rows = state.get("factored")
     if rows is not None:  # factored.py: row and column factors, then v per element

@@ -271,7 +271,7 @@ def torch_step(
     nearest, or with ``stochastic`` rounding keyed by ``key``
     (:mod:`leantrain.optim.precision`; element i draws the bits of its flat index
     ``index0 + i``: a shard's offset in the global parameter). With ``code_key``
-    the 4-bit codes are rounded stochastically (:mod:`.code_rounding`), drawing the
+    the codes are rounded stochastically (:mod:`.code_rounding`), drawing the
     same way.
     """
     period, block, bits = state_layout(param, state)

@@ -1,12 +1,15 @@
-r"""Stochastic rounding of momentum codes: the stored 4-bit momentum stays unbiased.
+r"""Stochastic rounding of momentum codes: the stored momentum stays unbiased.
 
 Nearest-code quantization of the momentum is biased towards the codes: a value
 between two codes always lands on the nearer one, and with 16 codes the distance is
 large, so small components of m are stored as 0 step after step and the stored
-momentum drifts from the exact one. **Stochastic rounding** stores the lower or the
-upper neighbour with the probabilities that make the stored value exact on average:
-:math:`E[\mathrm{code}(x)] = x` (docs/gefen.md, "4-bit momentum: stochastic code
-rounding").
+momentum drifts from the exact one. With 256 codes the distance is small, but a
+momentum near 0 whose gradient stops is stored back unchanged (``0.9 c`` rounds to
+``c``) and never decays (docs/gefen.md). **Stochastic rounding** stores the lower
+or the upper neighbour with the probabilities that make the stored value exact on
+average: :math:`E[\mathrm{code}(x)] = x` (docs/gefen.md, "4-bit momentum: stochastic
+code rounding"). 4-bit codes are rounded so by default, 8-bit ones with
+``momentum_rounding="stochastic"``.
 
 **The rule.** Let :math:`u_0 < \dots < u_{U-1}` be the codebook's distinct values and
 :math:`d_j = u_{j+1} - u_j` (fp32). An fp32 value ``x`` in [-1, 1] (a momentum
@@ -43,6 +46,7 @@ __all__ = [
     "code_key",
     "group_stochastic",
     "round_blocks",
+    "searched_index",
     "stochastic_codes",
     "stochastic_index",
     "uniform",
@@ -51,6 +55,8 @@ __all__ = [
 # Gefen's ``momentum_rounding`` option: "auto" is stochastic for 4-bit codes and
 # nearest for 8-bit ones (docs/gefen.md says why).
 MOMENTUM_ROUNDINGS = ("auto", "nearest", "stochastic")
+# More distinct values than this (8-bit codebooks) are searched, not counted.
+SEARCH_ABOVE = 16
 # Separates the code stream from the parameter-rounding stream of the same key.
 _CODE_STREAM = 0xC0DE5EED5A17ED01
 
@@ -71,22 +77,20 @@ def uniform(key: int, start: int, count: int, device=None) -> Tensor:
 def resolved(rounding: str, bits: int | None) -> bool:
     """Whether a group's ``momentum_rounding`` means stochastic codes for ``bits``.
 
+    "auto" is stochastic for 4-bit codes and nearest for 8-bit ones; "stochastic"
+    asks for it with 8-bit codes too (no effect on fp32 momentum).
+
     Raises:
-        ValueError: ``rounding`` is not one of :data:`MOMENTUM_ROUNDINGS`, or it is
-            "stochastic" with 8-bit codes (not implemented: the kernel's 8-bit lookup
-            finds the nearest code only).
+        ValueError: ``rounding`` is not one of :data:`MOMENTUM_ROUNDINGS`.
     """
     if rounding not in MOMENTUM_ROUNDINGS:
         raise ValueError(
             f"Invalid momentum_rounding: {rounding!r}; allowed: 'auto', 'nearest' "
             "or 'stochastic'"
         )
-    if rounding == "stochastic" and bits == 8:
-        raise ValueError(
-            "momentum_rounding='stochastic' needs momentum_bits=4 (8-bit codes are "
-            "rounded to nearest); got momentum_bits=8"
-        )
-    return bits == 4 and rounding != "nearest"
+    if bits == 4:
+        return rounding != "nearest"
+    return bits == 8 and rounding == "stochastic"
 
 
 def stochastic_codes(x: Tensor, codebook: Tensor, r: Tensor) -> Tensor:
@@ -110,12 +114,29 @@ def stochastic_codes(x: Tensor, codebook: Tensor, r: Tensor) -> Tensor:
 
 def stochastic_index(x: Tensor, uniq: Tensor, r: Tensor) -> Tensor:
     """The rule's value index (int64) of fp32 ``x`` into the distinct, ascending
-    fp32 values ``uniq``, with uniforms ``r``: one comparison per gap."""
+    fp32 values ``uniq``, with uniforms ``r``: one comparison per gap (4-bit
+    codebooks), or for more values :func:`searched_index`, the same index."""
     gaps = uniq[1:] - uniq[:-1]
+    if gaps.numel() > SEARCH_ABOVE:
+        return searched_index(x, uniq, r)
     index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
     for j in range(gaps.numel()):
         index += (x - uniq[j]) > (r * gaps[j])
     return index
+
+
+def searched_index(x: Tensor, uniq: Tensor, r: Tensor) -> Tensor:
+    """:func:`stochastic_index` by search: ``i = #{j >= 1 : x >= u_j}`` (x's
+    interval), then ``i + [fl(x - u_i) > fl(r * d_i)]``. The module docstring's
+    argument (every value below x's interval counts, none above it does) makes this
+    the count, bit for bit; the C kernel's 8-bit rule computes it the same way."""
+    gaps = uniq[1:] - uniq[:-1]
+    below = torch.searchsorted(uniq[1:].contiguous(), x.contiguous(), right=True)
+    below = torch.where(torch.isnan(x), torch.zeros_like(below), below)
+    inside = below < gaps.numel()  # x's interval has an upper value
+    i = below.clamp(max=max(gaps.numel() - 1, 0))
+    up = inside & ((x - uniq[i]) > (r * gaps[i]))
+    return below + up.long()
 
 
 def group_stochastic(group: dict) -> bool:

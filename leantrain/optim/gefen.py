@@ -109,9 +109,10 @@ class Gefen(Optimizer):
             May be set per param group; no effect on fp32 parameters.
         momentum_rounding: how the stored momentum is rounded to its codes:
             "nearest" (the nearest code), "stochastic" (one of the two neighbouring
-            codes, with the probabilities that keep the stored momentum unbiased;
-            4-bit codes only) or "auto" (stochastic for 4-bit codes, nearest for
-            8-bit ones). The random bits are keyed like ``stochastic_rounding``'s,
+            codes, with the probabilities that keep the stored momentum unbiased,
+            so a momentum whose gradient stops decays to 0, which nearest 8-bit
+            codes do not guarantee) or "auto" (stochastic for 4-bit codes, nearest
+            for 8-bit ones). The random bits are keyed like ``stochastic_rounding``'s,
             on a stream of their own. May be set per param group; no effect on fp32
             momentum. See docs/gefen.md.
         second_moment: "blocks" (one second moment per block of ``partition``),

@@ -84,7 +84,7 @@ class GefenMuon(Optimizer):
             "match_rms_adamw" (``0.2 * lr * sqrt(max(rows, cols))``).
         momentum_bits: 8, 4 or None (fp32 momentum), for both sides.
         momentum_rounding: "auto" (stochastic 4-bit codes, nearest 8-bit ones),
-            "nearest" or "stochastic" (4-bit only), for both sides; as Gefen's.
+            "nearest" or "stochastic", for both sides; as Gefen's.
         update_clip: the AdamW side's bound on each element's step in units of
             its lr, as Gefen's ("auto": 1.0 for 4-bit momentum with
             ``partition="element"``, None otherwise: this side keeps blocks).

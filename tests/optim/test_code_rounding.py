@@ -1,4 +1,5 @@
-"""Stochastic rounding of 4-bit momentum codes (leantrain/optim/code_rounding.py).
+"""Stochastic rounding of momentum codes (leantrain/optim/code_rounding.py): the
+4-bit default, and 8-bit codes with ``momentum_rounding="stochastic"``.
 
 The rule is checked against a brute-force reading of its definition (numpy fp32,
 one element at a time) and for its purpose (the stored value is unbiased); the C
@@ -14,7 +15,6 @@ import torch
 from _fused_helpers import HYPER, codebook, codes_of, copy_state, random_state
 
 from leantrain.optim import Gefen, _fused, _native, _torch_step
-from leantrain.optim._state import new_state
 from leantrain.optim._step import reference_step
 from leantrain.optim.code_rounding import (
     code_key,
@@ -43,15 +43,23 @@ def brute_force(x: np.ndarray, cb: np.ndarray, r: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("kind", ["spaced", "duplicates", "uniform"])
+@pytest.mark.parametrize(
+    "kind", ["spaced", "duplicates", "uniform", "8-bit", "8-bit duplicates"]
+)
 def test_matches_brute_force(kind):
     torch.manual_seed(0)
     if kind == "spaced":
         cb = codebook(4)
     elif kind == "duplicates":  # equal codes: the lowest code holding a value
         cb = torch.tensor([-1.0, -1.0, -0.5, 0.0, 0.0, 0.0, 0.25, 1.0])
-    else:
+    elif kind == "uniform":
         cb = torch.linspace(-1, 1, 16)
+    elif kind == "8-bit":  # 255 gaps: searched, not counted
+        cb = codebook(8)
+    else:  # a learned 8-bit codebook can repeat values (a histogram's empty bins)
+        cb = codebook(8).clone()
+        cb[100:110] = cb[100]
+        cb[200:203] = cb[202]
     x = torch.cat(
         [
             torch.rand(3000) * 2 - 1,
@@ -77,10 +85,11 @@ def test_codes_stay_exact_and_only_neighbours_are_chosen():
     assert bool(((codes == below) | (codes == below + 1)).all())
 
 
-def test_stored_value_is_unbiased():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_stored_value_is_unbiased(bits):
     """E[codebook[code(x)]] = x: mean of 200k draws within 5 standard errors, where
     nearest rounding is off by the distance to the nearest code."""
-    cb = codebook(4)
+    cb = codebook(bits)
     n = 200_000
     for x0 in [0.013, -0.31, 0.5, 0.97]:
         x = torch.full((n,), x0)
@@ -106,9 +115,8 @@ def test_uniform_bits_and_keys():
 def test_resolved_and_bad_values():
     assert resolved("auto", 4) and not resolved("auto", 8)
     assert not resolved("auto", None) and not resolved("nearest", 4)
-    assert resolved("stochastic", 4)
-    with pytest.raises(ValueError, match="momentum_bits=4"):
-        resolved("stochastic", 8)
+    assert resolved("stochastic", 4) and resolved("stochastic", 8)
+    assert not resolved("nearest", 8) and not resolved("stochastic", None)
     with pytest.raises(ValueError, match="'up'"):
         resolved("up", 4)
 
@@ -116,13 +124,14 @@ def test_resolved_and_bad_values():
 SR_SHAPES = [(1, 1), (1001, 7), (999, 1), (4096, 64), (3001, 3001), (20000, 100)]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,period", SR_SHAPES)
-def test_fused_step_matches_reference(backend, n, period):
+def test_fused_step_matches_reference(backend, n, period, bits):
     """Both paths store the reference's codes (up to an ulp of m near a
     threshold), and those codes differ from the nearest ones: the rounding runs."""
     torch.manual_seed(n)
     param, grad = torch.randn(n), torch.randn(n)
-    state = random_state(n, period, 4, seed=n)
+    state = random_state(n, period, bits, seed=n)
     mine, ref, near = copy_state(state), copy_state(state), copy_state(state)
     p_mine, p_ref = param.clone(), param.clone()
     kw = dict(HYPER, stochastic_codes=True, seed=11)
@@ -138,7 +147,8 @@ def test_fused_step_matches_reference(backend, n, period):
         assert 0.1 < float(changed.float().mean()) < 0.9
 
 
-def test_backends_agree_bit_for_bit():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_backends_agree_bit_for_bit(bits):
     """C kernel and fallback: identical codes, the kernel's AVX paths included
     (odd starts, packed and one code per byte), with a shard's index0."""
     if _native.load() is None:
@@ -151,7 +161,7 @@ def test_backends_agree_bit_for_bit():
         (777, 777, 12345),
         (3001, 13, 2**33 + 5),
     ]:
-        state = random_state(n, period, 4, seed=3)
+        state = random_state(n, period, bits, seed=3)
         param, grad = torch.randn(n), torch.randn(n)
         c_state, t_state = copy_state(state), copy_state(state)
         _fused.c_step(param.clone(), grad, c_state, h, code_key=key, index0=index0)
@@ -162,13 +172,37 @@ def test_backends_agree_bit_for_bit():
         assert torch.equal(c_state["exp_avg_absmax"], t_state["exp_avg_absmax"])
 
 
-def test_threads_chunks_and_long_blocks_give_the_same_bits(monkeypatch):
+def test_eight_bit_codebook_with_repeated_values_gives_the_same_bits():
+    """A codebook whose codes repeat values (as a learned one can): the kernel maps
+    codes to values and back through tables; the fallback counts distinct values."""
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    n, period = 6001, 97
+    state = random_state(n, period, 8, seed=5)
+    cb = state["codebook"].clone()
+    cb[100:110] = cb[100]
+    cb[200:203] = cb[202]
+    state["codebook"] = cb
+    h = _fused.hyperparameters(4.0, **HYPER)
+    key = code_key(4, 4)
+    param, grad = torch.randn(n), torch.randn(n)
+    c_state, t_state = copy_state(state), copy_state(state)
+    _fused.c_step(param.clone(), grad, c_state, h, code_key=key)
+    _torch_step.torch_step(param.clone(), grad, t_state, h, code_key=key)
+    assert torch.equal(c_state["exp_avg_codes"], t_state["exp_avg_codes"])
+    stored = set(c_state["exp_avg_codes"].tolist())
+    assert {100, 200} <= stored  # the repeated values are stored, by their lowest
+    assert not stored & (set(range(101, 110)) | {201, 202})  # code only
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_threads_chunks_and_long_blocks_give_the_same_bits(monkeypatch, bits):
     if _native.load() is None:
         pytest.skip(f"native kernel unavailable: {_native.status()}")
     h = _fused.hyperparameters(4.0, **HYPER)
     key = code_key(0, 4)
     for n, period in [(30001, 333), (20001, 7), (9999, 9999)]:
-        state = random_state(n, period, 4, seed=period)
+        state = random_state(n, period, bits, seed=period)
         param, grad = torch.randn(n), torch.randn(n)
         results = []
         for chunk, threads in [(None, 1), (16, 1), (None, 2), (17, 2)]:
@@ -187,11 +221,13 @@ def test_threads_chunks_and_long_blocks_give_the_same_bits(monkeypatch):
             assert torch.equal(codes, results[0])
 
 
-def test_a_shard_draws_the_bits_of_its_global_elements(backend):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_shard_draws_the_bits_of_its_global_elements(backend, bits):
     """A shard stepped with index0 = its offset stores the codes the whole tensor
     stores there (blocks aligned with the shard)."""
     n, period, cut = 4096, 64, 1024
-    state = random_state(n, period, 4, seed=1)
+    per_byte = 2 if bits == 4 else 1
+    state = random_state(n, period, bits, seed=1)
     param, grad = torch.randn(n), torch.randn(n)
     whole = copy_state(state)
     _fused.fused_step(param.clone(), grad, whole, **HYPER, stochastic_codes=True)
@@ -202,7 +238,7 @@ def test_a_shard_draws_the_bits_of_its_global_elements(backend):
         "codebook": state["codebook"],
         "exp_avg_sq": state["exp_avg_sq"][cut // period :].clone(),
         "exp_avg_absmax": state["exp_avg_absmax"][cut // period :].clone(),
-        "exp_avg_codes": state["exp_avg_codes"][cut // 2 :].clone(),
+        "exp_avg_codes": state["exp_avg_codes"][cut // per_byte :].clone(),
     }
     _fused.fused_step(
         param[cut:].clone(),
@@ -212,16 +248,34 @@ def test_a_shard_draws_the_bits_of_its_global_elements(backend):
         stochastic_codes=True,
         index0=cut,
     )
-    assert torch.equal(shard["exp_avg_codes"], whole["exp_avg_codes"][cut // 2 :])
+    assert torch.equal(
+        shard["exp_avg_codes"], whole["exp_avg_codes"][cut // per_byte :]
+    )
 
 
-def test_eight_bit_codes_refuse_stochastic_rounding():
-    state = new_state(torch.zeros(10), 5, 8, codebook(8))
-    with pytest.raises(ValueError, match="4-bit"):
-        _fused.fused_step(
-            torch.zeros(10), torch.ones(10), state, **HYPER, stochastic_codes=True
-        )
-    assert float(state["step"]) == 0  # nothing changed
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_eight_bit_momentum_of_a_stopped_gradient_decays_to_zero_only_if_unbiased(
+    rounding,
+):
+    """The dead band of nearest 8-bit codes (docs/gefen.md): with a zero gradient,
+    0.9 c rounds back to c for the codes near 0, so small momenta never decay and
+    their weights keep moving. Stochastic codes decay them to exactly 0."""
+    p = torch.nn.Parameter(torch.zeros(256))
+    opt = Gefen(
+        [p], lr=1e-3, partition=256, weight_decay=0.0, momentum_rounding=rounding
+    )
+    first = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 0.01
+    first[0] = 1.0
+    for t in range(200):
+        p.grad = first.clone() if t == 0 else torch.zeros(256)
+        p.grad[0] = 1.0  # keeps the block's absmax, so the others' codes are small
+        before = p.detach().clone()
+        opt.step()
+    moving = int(((p.detach() - before)[1:] != 0).sum())
+    if rounding == "nearest":
+        assert moving > 100
+    else:
+        assert moving == 0
 
 
 @pytest.mark.parametrize("name", ["Gefen", "GefenMuon"])
@@ -233,27 +287,25 @@ def test_option_is_validated(name):
     for bad in ["up", 4, None]:
         with pytest.raises(ValueError, match="momentum_rounding"):
             cls(model.parameters(), momentum_bits=4, momentum_rounding=bad)
-    with pytest.raises(ValueError, match="momentum_bits=4"):
-        cls(model.parameters(), momentum_rounding="stochastic")  # 8-bit default
     opt = cls([model.weight], momentum_bits=4)
-    with pytest.raises(ValueError, match="momentum_bits=4"):
-        opt.add_param_group(
-            {
-                "params": [model.bias],
-                "momentum_bits": 8,
-                "momentum_rounding": "stochastic",
-            }
-        )
+    with pytest.raises(ValueError, match="momentum_rounding"):
+        opt.add_param_group({"params": [model.bias], "momentum_rounding": "up"})
     assert len(opt.param_groups) == 1
+    opt.add_param_group(  # 8-bit codes may be stochastic too
+        {"params": [model.bias], "momentum_bits": 8, "momentum_rounding": "stochastic"}
+    )
+    assert len(opt.param_groups) == 2
 
 
-@pytest.mark.parametrize("rounding", ["auto", "nearest"])
-def test_gefen_follows_the_option(rounding):
+@pytest.mark.parametrize(
+    "bits,rounding", [(4, "auto"), (4, "nearest"), (8, "stochastic"), (8, "auto")]
+)
+def test_gefen_follows_the_option(bits, rounding):
     """Gefen's codes are the reference's with stochastic_codes = (rounding, bits)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(40, 30)
     opt = Gefen(
-        model.parameters(), lr=1e-2, momentum_bits=4, momentum_rounding=rounding
+        model.parameters(), lr=1e-2, momentum_bits=bits, momentum_rounding=rounding
     )
     x = torch.randn(64, 40)
     for step in range(4):
@@ -270,7 +322,7 @@ def test_gefen_follows_the_option(rounding):
                 p.grad,
                 st,
                 **dict(HYPER, beta2=0.999, weight_decay=0.01),
-                stochastic_codes=rounding == "auto",
+                stochastic_codes=resolved(rounding, bits),
                 seed=seed,
             )
             refs.append(st)

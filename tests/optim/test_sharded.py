@@ -105,21 +105,24 @@ def test_sharded_step_matches_reference(bits, period):
     torch.testing.assert_close(flat.view(shape), ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("period", [1, 7, 130])
-def test_sharded_stochastic_codes_match_reference(period):
-    """4-bit codes rounded stochastically: every rank draws its elements' global
-    bits, so the concatenated shards hold the reference's codes."""
+def test_sharded_stochastic_codes_match_reference(period, bits):
+    """Codes rounded stochastically (4-bit, and 8-bit with momentum_rounding=
+    "stochastic"): every rank draws its elements' global bits, so the concatenated
+    shards hold the reference's codes."""
     torch.manual_seed(period)
     shape, n = (13, 10), 130
     spans = spans_of([0, 40, 41, 90, 90, 130], n)
     qblock = qblock_for(period)
     g0 = torch.randn(shape)
-    codebook = learn_codebook(histogram(g0, qblock), 16).float()
+    codebook = learn_codebook(histogram(g0, qblock), 2**bits).float()
     ref = torch.randn(shape)
     flat = ref.clone().reshape(-1)
-    ref_state = new_state(ref, period, 4, codebook)
+    ref_state = new_state(ref, period, bits, codebook)
     states = [
-        new_local_state(flat[s.start : s.stop], s, period, 4, codebook) for s in spans
+        new_local_state(flat[s.start : s.stop], s, period, bits, codebook)
+        for s in spans
     ]
     rounding = {"stochastic_codes": True, "seed": 3}
     for it in range(6):
@@ -128,13 +131,17 @@ def test_sharded_stochastic_codes_match_reference(period):
         simulated_step(
             flat, grad.reshape(-1), states, spans, period, qblock, **rounding
         )
+
+        def unpack(codes, count):
+            return unpack_nibbles(codes, count) if bits == 4 else codes
+
         codes = torch.cat(
             [
-                unpack_nibbles(st["exp_avg_codes"], s.stop - s.start)
+                unpack(st["exp_avg_codes"], s.stop - s.start)
                 for s, st in zip(spans, states, strict=True)
             ]
         )
-        assert torch.equal(codes, unpack_nibbles(ref_state["exp_avg_codes"], n))
+        assert torch.equal(codes, unpack(ref_state["exp_avg_codes"], n))
     torch.testing.assert_close(flat.view(shape), ref, rtol=1e-6, atol=1e-7)
 
 

@@ -14,7 +14,7 @@ typedef struct {
   int32_t packed;     /* 4-bit codes two per byte (else one code per byte) */
   int32_t stochastic; /* bf16 parameter written with stochastic rounding */
   uint64_t key;       /* the rounding key (leantrain.optim.precision) */
-  int32_t code_sr;    /* 4-bit codes rounded stochastically (code_rounding.py) */
+  int32_t code_sr;    /* codes rounded stochastically (code_rounding.py) */
   int32_t unused;
   uint64_t code_key;  /* their key (code_rounding.code_key) */
   int64_t index0;     /* global flat index of element 0 (a shard's offset): the

@@ -15,7 +15,7 @@
 #include "gefen_io.h"    /* lt_hash: the random bits */
 
 /* 4-bit codes rounded stochastically (leantrain/optim/code_rounding.py is the
-   reference: the same bits). With the distinct values u_j, gaps d_j = u_{j+1} - u_j
+   reference: the same bits; lt_sr8_tile below does 8-bit codes). With the distinct values u_j, gaps d_j = u_{j+1} - u_j
    and a uniform r in [0, 1) per element (the top 24 bits of lt_hash of its global
    index i0 + k on the code key), the reference's value index
    #{j : fl(x - u_j) > fl(r * d_j)} equals i + [fl(x - u_i) > fl(r * d_i)] with
@@ -26,6 +26,36 @@
 static inline uint32_t lt_code_bits(uint64_t i, uint64_t key) {
   return lt_hash(i, key) >> 8; /* 24 bits: r = bits * 2^-24 */
 }
+
+#ifdef __AVX512F__
+/* r = the top 24 bits of lt_hash(base + lane, key) * 2^-24 for lanes 0..15: the
+   uniforms of 16 consecutive elements, bit for bit lt_code_bits'. */
+static inline __m512 lt_code_uniform16(uint64_t base, uint64_t key) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                         14, 15);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i c1 = _mm512_set1_epi32((int)0x85ebca6bu);
+  const __m512i c2 = _mm512_set1_epi32((int)0xc2b2ae35u);
+  const __m512i b_lo = _mm512_set1_epi32((int)(uint32_t)base);
+  const __m512i lo = _mm512_add_epi32(b_lo, lane); /* wraps like uint32 */
+  __m512i hi = _mm512_set1_epi32((int)(uint32_t)(base >> 32));
+  hi = _mm512_mask_add_epi32(hi, _mm512_cmp_epu32_mask(lo, b_lo, _MM_CMPINT_LT), hi,
+                             one); /* the carry into the high word */
+  __m512i h = _mm512_xor_si512(lo, _mm512_set1_epi32((int)(uint32_t)key));
+  for (int round = 0; round < 2; round++) {
+    if (round)
+      h = _mm512_xor_si512(_mm512_xor_si512(h, hi),
+                           _mm512_set1_epi32((int)(uint32_t)(key >> 32)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, c1);
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+    h = _mm512_mullo_epi32(h, c2);
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  }
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)),
+                       _mm512_set1_ps(0x1p-24f));
+}
+#endif
 
 static void lt_lookup16_sr(const lt_quantizer *q, const float *restrict m, float amax,
                            int64_t len, uint64_t i0, uint64_t key,
@@ -40,31 +70,11 @@ static void lt_lookup16_sr(const lt_quantizer *q, const float *restrict m, float
   int64_t k = 0;
 #ifdef __AVX512F__
   {
-    const uint32_t k_lo = (uint32_t)key, k_hi = (uint32_t)(key >> 32);
-    const __m512 am = _mm512_set1_ps(amax), scale = _mm512_set1_ps(0x1p-24f);
+    const __m512 am = _mm512_set1_ps(amax);
     const __m512 tu = _mm512_loadu_ps(u), td = _mm512_loadu_ps(d);
     const __m512i f = _mm512_loadu_si512(first), one = _mm512_set1_epi32(1);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                           14, 15);
-    const __m512i c1 = _mm512_set1_epi32((int)0x85ebca6bu);
-    const __m512i c2 = _mm512_set1_epi32((int)0xc2b2ae35u);
     for (; k + 16 <= len; k += 16) {
-      const uint64_t base = i0 + (uint64_t)k;
-      const __m512i b_lo = _mm512_set1_epi32((int)(uint32_t)base);
-      const __m512i lo = _mm512_add_epi32(b_lo, lane); /* wraps like uint32 */
-      __m512i hi = _mm512_set1_epi32((int)(uint32_t)(base >> 32));
-      hi = _mm512_mask_add_epi32(hi, _mm512_cmp_epu32_mask(lo, b_lo, _MM_CMPINT_LT), hi,
-                                 one); /* the carry into the high word */
-      __m512i h = _mm512_xor_si512(lo, _mm512_set1_epi32((int)k_lo));
-      for (int round = 0; round < 2; round++) {
-        if (round) h = _mm512_xor_si512(_mm512_xor_si512(h, hi), _mm512_set1_epi32((int)k_hi));
-        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-        h = _mm512_mullo_epi32(h, c1);
-        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-        h = _mm512_mullo_epi32(h, c2);
-        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-      }
-      const __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), scale);
+      const __m512 r = lt_code_uniform16(i0 + (uint64_t)k, key);
       const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), am);
       __m512i i = _mm512_setzero_si512();
       for (int j = 1; j < 16; j++)
@@ -130,6 +140,71 @@ static void lt_lookup16_sr(const lt_quantizer *q, const float *restrict m, float
     for (int j = 1; j < 16; j++) i += x >= u[j];
     i += (x - u[i]) > r * d[i];
     code[k] = (uint8_t)first[i];
+  }
+}
+
+/* 8-bit codes rounded stochastically, by the same rule, after the nearest-code
+   lookup: the nearest value u_j is an end of x's interval, so the interval's lower
+   end is i = j - [x < u_j] (no search), then the same random test. The tables:
+   the distinct values u, their gaps d = fl(u_{j+1} - u_j) and each code's value
+   index, built once per quantizer and thread. */
+typedef struct {
+  const lt_quantizer *q; /* the quantizer the tables were built for (0: none) */
+  int32_t last;          /* nuniq - 1 */
+  int32_t identity;      /* every code its own value (a learned codebook): no lookups */
+  float u[256], d[256];  /* d[last] = 0 (never used: i < last is tested) */
+  int32_t value_of[256]; /* code -> index of its distinct value */
+  int32_t first[256];    /* value index -> its lowest code (q->first, widened) */
+} lt_sr8_table;
+
+static void lt_sr8_prepare(const lt_quantizer *q, lt_sr8_table *t) {
+  if (t->q == q) return;
+  t->q = q;
+  t->last = q->nuniq - 1;
+  for (int32_t j = 0; j < q->nuniq; j++) t->u[j] = q->codebook[q->first[j]];
+  for (int32_t j = 0; j < t->last; j++) t->d[j] = t->u[j + 1] - t->u[j];
+  t->d[t->last] = 0.0f;
+  t->identity = q->nuniq == q->ncodes;
+  for (int32_t j = 0; j < q->nuniq; j++) t->first[j] = q->first[j];
+  for (int32_t c = 0, j = 0; c < q->ncodes; c++) {
+    while (j < t->last && q->codebook[c] >= t->u[j + 1]) j++;
+    t->value_of[c] = j; /* codes are ascending: a run per value */
+  }
+}
+
+/* x: the tile's m / amax as lt_cells computed it (the rule's x, a division);
+   code: in, the nearest codes; out, the stochastic ones. */
+static void lt_sr8_tile(const lt_sr8_table *t, const float *restrict x, int64_t len,
+                        uint64_t i0, uint64_t key, uint8_t *restrict code) {
+  int64_t k = 0;
+#ifdef __AVX512F__
+  const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+  const __m512i last = _mm512_set1_epi32(t->last);
+  for (; k + 16 <= len; k += 16) { /* the scalar loop's steps, 16 lanes, gathers */
+    const __m512 r = lt_code_uniform16(i0 + (uint64_t)k, key);
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(code + k)));
+    const __m512i j = t->identity ? c : _mm512_i32gather_epi32(c, t->value_of, 4);
+    const __m512 uj = _mm512_i32gather_ps(j, t->u, 4);
+    __m512i i = _mm512_mask_sub_epi32(j, _mm512_cmp_ps_mask(xv, uj, _CMP_LT_OQ), j, one);
+    i = _mm512_max_epi32(i, zero);
+    const __m512 ui = _mm512_i32gather_ps(i, t->u, 4);
+    const __m512 di = _mm512_i32gather_ps(i, t->d, 4);
+    const __mmask16 up =
+        _mm512_cmp_epi32_mask(i, last, _MM_CMPINT_LT) &
+        _mm512_cmp_ps_mask(_mm512_sub_ps(xv, ui), _mm512_mul_ps(r, di), _CMP_GT_OQ);
+    i = _mm512_mask_add_epi32(i, up, i, one);
+    const __m512i f = t->identity ? i : _mm512_i32gather_epi32(i, t->first, 4);
+    _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(f));
+  }
+#endif
+  for (; k < len; k++) {
+    const int32_t j = t->value_of[code[k]];
+    int32_t i = j - (x[k] < t->u[j]);
+    i = i < 0 ? 0 : i;
+    const float r = (float)lt_code_bits(i0 + (uint64_t)k, key) * 0x1p-24f;
+    if (i < t->last) i += (x[k] - t->u[i]) > r * t->d[i];
+    code[k] = (uint8_t)t->first[i];
   }
 }
 

@@ -38,7 +38,7 @@
  * other multiply-add. sqrtf is correctly rounded where torch's vectorized sqrt may
  * be 1 ulp off, so the two can differ by an ulp of the update.
  *
- * Nearest code: see gefen_codes.h; stochastic 4-bit codes: gefen_sr.h; a factored
+ * Nearest code: see gefen_codes.h; stochastic codes: gefen_sr.h; a factored
  * second moment's v: gefen_factored.h; bf16 I/O: gefen_io.h (all included here).
  */
 #include <math.h>
@@ -80,6 +80,7 @@ typedef struct { /* per-thread buffers of `chunk` elements */
   uint8_t *code; /* new codes */
   float *g;      /* the gradient in fp32 (bf16 gradients only) */
   float *p;      /* the parameter in fp32 (bf16 parameters only) */
+  lt_sr8_table sr8; /* stochastic 8-bit codes' tables (gefen_sr.h), built lazily */
 } lt_scratch;
 
 #include "gefen_avx512.h" /* after lt_hyper: its pass-2 loop reads one */
@@ -265,8 +266,9 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
     } else if (amax > 0.0f && bits == 8) {
       int64_t t = 0;
+      if (io->code_sr) lt_sr8_prepare(q, &w->sr8);
 #ifdef __AVX512F__
-      if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
+      if (q->steps <= 1 && q->nuniq == q->ncodes && !io->code_sr) /* learned codebook */
         t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h, codes + s + a);
 #endif
       /* in L1-resident tiles: the x values, cells and codes a loop writes are read
@@ -275,6 +277,9 @@ static void lt_block(void *param, const void *grad, float *restrict v,
         const int64_t tl = l - t < LT_TILE ? l - t : LT_TILE;
         lt_cells(q, w->m + t, amax, tl, w->val, w->cell);
         lt_lookup(q, w->val, w->cell, tl, codes + s + a + t);
+        if (io->code_sr) /* the nearest codes, rounded stochastically */
+          lt_sr8_tile(&w->sr8, w->val, tl, (uint64_t)(io->index0 + s + a + t),
+                      io->code_key, codes + s + a + t);
         lt_update(p + t, w->m + t, ve ? ve + t : 0, denom, h, tl);
       }
       updated = 1;
