@@ -233,7 +233,7 @@ def muon_step(
             adjust_lr_fn: as in :class:`GefenMuon`.
         ns_dtype: dtype of the Newton–Schulz iteration.
         nearest: a quantizer for the state's codebook (built when None).
-        stochastic_codes, seed: 4-bit codes rounded stochastically, keyed by
+        stochastic_codes, seed: codes (4- or 8-bit) rounded stochastically, keyed by
             ``code_key(seed, step)`` (:mod:`leantrain.optim.code_rounding`).
     """
     state["step"] += 1
@@ -252,7 +252,7 @@ def muon_step(
             nearest = NearestCode(codebook)
         flat = m.reshape(-1)
         codes, absmax = quantize_blockwise(flat, qblock, nearest)
-        if stochastic_codes and packed:
+        if stochastic_codes:
             key = code_rounding.code_key(seed, int(state["step"]))
             each = absmax.repeat_interleave(qblock)[:n]
             codes = code_rounding.round_blocks(flat, each, codebook, key, 0, codes)

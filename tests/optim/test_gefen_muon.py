@@ -116,8 +116,9 @@ def test_quantized_momentum_matches_brute_force(bits, partition, kit):
             assert int(state["step"]) == int(before[p]["step"]) + 1
 
 
-def test_stochastic_4bit_codes_are_the_rules(kit):
-    """momentum_rounding="auto" with 4-bit codes: each stored code is
+@pytest.mark.parametrize("bits,rounding", [(4, "auto"), (8, "stochastic")])
+def test_stochastic_codes_are_the_rules(kit, bits, rounding):
+    """Stochastic codes (the 4-bit default; 8-bit on request): each stored code is
     ``code_rounding.stochastic_codes`` of the brute-force momentum, keyed by the
     parameter's position and the step (a value within rounding of a threshold may
     go either way: at most a few per step)."""
@@ -125,7 +126,9 @@ def test_stochastic_4bit_codes_are_the_rules(kit):
 
     x, y = kit.make_data()
     model = _matrix_mlp()
-    opt = GefenMuon(model.parameters(), lr=0.02, momentum_bits=4)
+    opt = GefenMuon(
+        model.parameters(), lr=0.02, momentum_bits=bits, momentum_rounding=rounding
+    )
     position = {
         id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
     }
@@ -134,11 +137,11 @@ def test_stochastic_4bit_codes_are_the_rules(kit):
     for _ in range(4):
         before = _step_after_snapshot(opt, model, kit, x, y)
         for p in model.parameters():
-            nearest, _, normed = _reference_momentum(before[p], p.grad, 0.95, 4)
+            nearest, _, normed = _reference_momentum(before[p], p.grad, 0.95, bits)
             key = code_key(position[id(p)], int(opt.state[p]["step"]))
             r = uniform(key, 0, p.numel())
             expected = stochastic_codes(normed, opt.state[p]["codebook"], r).long()
-            got = _unpack(opt.state[p]["exp_avg_codes"], p.numel(), 4)
+            got = _unpack(opt.state[p]["exp_avg_codes"], p.numel(), bits)
             flipped += int((got != expected).sum())
             assert int((got != nearest).sum()) > 0  # the rounding ran
     assert flipped <= 4
