@@ -298,10 +298,11 @@ def test_cuda_compiled_step_matches_reference(bits, update_clip):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("bits", [8, 4])
-def test_cuda_factored_step_matches_reference(bits):
-    """The 4-bit default on CUDA: a factored second moment (and, for 4-bit,
-    stochastic codes) through the compiled chunk function; the reference's result."""
+@pytest.mark.parametrize("bits,stochastic", [(8, False), (8, True), (4, True)])
+def test_cuda_factored_step_matches_reference(bits, stochastic):
+    """The 4-bit default on CUDA: a factored second moment and stochastic codes
+    (searched for 8-bit codes) through the compiled chunk function; the reference's
+    result."""
     from leantrain.optim.codebook import with_exact_zero
     from leantrain.optim.factored import factor_shape
 
@@ -310,7 +311,7 @@ def test_cuda_factored_step_matches_reference(bits):
     cb = with_exact_zero(codebook(bits))
     param = torch.randn(shape)
     state = new_state(param, 160, bits, cb, factor_shape(shape))
-    rounding = {"stochastic_codes": bits == 4, "seed": 5}
+    rounding = {"stochastic_codes": stochastic, "seed": 5}
     cuda_state = {k: v.cuda() for k, v in state.items()}
     p_cuda = param.cuda()
     ref = copy_state(state)
