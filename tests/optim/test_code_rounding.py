@@ -172,6 +172,37 @@ def test_backends_agree_bit_for_bit(bits):
         assert torch.equal(c_state["exp_avg_absmax"], t_state["exp_avg_absmax"])
 
 
+def test_eight_bit_learned_codebook_takes_the_fused_pass_with_the_same_bits():
+    """A learned codebook (every code its own value, at most one midpoint per cell)
+    sends 8-bit codes through the kernel's fused lookup-and-update pass, which
+    applies the stochastic rule in-register: the fallback's codes and parameter."""
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    from leantrain.optim._quant_table import quant_table
+    from leantrain.optim.codebook import histogram, learn_codebook, with_exact_zero
+
+    n, period = 20_011, 257
+    g0 = torch.randn(n) * torch.rand(n).pow(3)
+    cb = with_exact_zero(learn_codebook(histogram(g0, period), 256)).float()
+    assert quant_table(cb).steps <= 1 and cb.unique().numel() == 256
+    state = random_state(n, period, 8, seed=6)
+    state["codebook"] = cb
+    h = _fused.hyperparameters(4.0, **HYPER)
+    for index0 in (0, 2**33 + 7):
+        key = code_key(6, 4)
+        param, grad = torch.randn(n), torch.randn(n)
+        c_state, t_state = copy_state(state), copy_state(state)
+        p_c, p_t = param.clone(), param.clone()
+        _fused.c_step(p_c, grad, c_state, h, code_key=key, index0=index0)
+        _torch_step.torch_step(p_t, grad, t_state, h, code_key=key, index0=index0)
+        assert torch.equal(c_state["exp_avg_codes"], t_state["exp_avg_codes"])
+        near = copy_state(state)
+        _fused.c_step(param.clone(), grad, near, h, index0=index0)
+        changed = c_state["exp_avg_codes"] != near["exp_avg_codes"]
+        assert 0.05 < float(changed.float().mean()) < 0.95  # the rounding ran
+        torch.testing.assert_close(p_c, p_t, rtol=1e-6, atol=1e-7)
+
+
 def test_eight_bit_codebook_with_repeated_values_gives_the_same_bits():
     """A codebook whose codes repeat values (as a learned one can): the kernel maps
     codes to values and back through tables; the fallback counts distinct values."""

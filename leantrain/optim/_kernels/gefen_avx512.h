@@ -116,7 +116,8 @@ static int64_t lt_momentum4_avx512(const float *restrict g, const uint8_t *restr
 static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restrict m,
                                        float amax, int64_t len, float *restrict p,
                                        const float *restrict vel, float denom_block,
-                                       const lt_hyper *h, uint8_t *restrict code) {
+                                       const lt_hyper *h, const lt_sr8_table *sr,
+                                       uint64_t i0, uint64_t key, uint8_t *restrict code) {
   const __m512 v_amax = _mm512_set1_ps(amax), one = _mm512_set1_ps(1.0f);
   const __m512 half = _mm512_set1_ps(0.5f * (float)q->ncell);
   const __m512 top = _mm512_set1_ps((float)(q->ncell - 1)), zero = _mm512_setzero_ps();
@@ -144,6 +145,18 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
     const __m512 mid = _mm512_castsi512_ps(_mm512_permutex2var_epi32(e0, even, e1));
     __m512i j = _mm512_permutex2var_epi32(e0, odd, e1);
     j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(x, mid, _CMP_GT_OQ), j, inc);
+    if (sr) { /* stochastic codes: lt_sr8_tile's steps (every code its own value) */
+      const __m512 r = lt_code_uniform16(i0 + (uint64_t)k, key);
+      const __m512 uj = _mm512_i32gather_ps(j, sr->u, 4);
+      __m512i i = _mm512_mask_sub_epi32(j, _mm512_cmp_ps_mask(x, uj, _CMP_LT_OQ), j, inc);
+      i = _mm512_max_epi32(i, _mm512_setzero_si512());
+      const __m512 ui = _mm512_i32gather_ps(i, sr->u, 4);
+      const __m512 di = _mm512_i32gather_ps(i, sr->d, 4);
+      const __mmask16 up =
+          _mm512_cmp_epi32_mask(i, _mm512_set1_epi32(sr->last), _MM_CMPINT_LT) &
+          _mm512_cmp_ps_mask(_mm512_sub_ps(x, ui), _mm512_mul_ps(r, di), _CMP_GT_OQ);
+      j = _mm512_mask_add_epi32(i, up, i, inc);
+    }
     _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(j));
     const __m512 denom =
         vel ? _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(_mm512_loadu_ps(vel + k)), v_bc2),

@@ -268,8 +268,11 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       int64_t t = 0;
       if (io->code_sr) lt_sr8_prepare(q, &w->sr8);
 #ifdef __AVX512F__
-      if (q->steps <= 1 && q->nuniq == q->ncodes && !io->code_sr) /* learned codebook */
-        t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h, codes + s + a);
+      if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
+        t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h,
+                                    io->code_sr ? &w->sr8 : 0,
+                                    (uint64_t)(io->index0 + s + a), io->code_key,
+                                    codes + s + a);
 #endif
       /* in L1-resident tiles: the x values, cells and codes a loop writes are read
          by the next one before they leave L1 */
