@@ -116,9 +116,9 @@ def stochastic_index(x: Tensor, uniq: Tensor, r: Tensor) -> Tensor:
     """The rule's value index (int64) of fp32 ``x`` into the distinct, ascending
     fp32 values ``uniq``, with uniforms ``r``: one comparison per gap (4-bit
     codebooks), or for more values :func:`searched_index`, the same index."""
-    gaps = uniq[1:] - uniq[:-1]
-    if gaps.numel() > SEARCH_ABOVE:
+    if uniq.numel() - 1 > SEARCH_ABOVE:
         return searched_index(x, uniq, r)
+    gaps = uniq[1:] - uniq[:-1]
     index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
     for j in range(gaps.numel()):
         index += (x - uniq[j]) > (r * gaps[j])

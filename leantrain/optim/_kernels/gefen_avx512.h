@@ -145,18 +145,8 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
     const __m512 mid = _mm512_castsi512_ps(_mm512_permutex2var_epi32(e0, even, e1));
     __m512i j = _mm512_permutex2var_epi32(e0, odd, e1);
     j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(x, mid, _CMP_GT_OQ), j, inc);
-    if (sr) { /* stochastic codes: lt_sr8_tile's steps (every code its own value) */
-      const __m512 r = lt_code_uniform16(i0 + (uint64_t)k, key);
-      const __m512 uj = _mm512_i32gather_ps(j, sr->u, 4);
-      __m512i i = _mm512_mask_sub_epi32(j, _mm512_cmp_ps_mask(x, uj, _CMP_LT_OQ), j, inc);
-      i = _mm512_max_epi32(i, _mm512_setzero_si512());
-      const __m512 ui = _mm512_i32gather_ps(i, sr->u, 4);
-      const __m512 di = _mm512_i32gather_ps(i, sr->d, 4);
-      const __mmask16 up =
-          _mm512_cmp_epi32_mask(i, _mm512_set1_epi32(sr->last), _MM_CMPINT_LT) &
-          _mm512_cmp_ps_mask(_mm512_sub_ps(x, ui), _mm512_mul_ps(r, di), _CMP_GT_OQ);
-      j = _mm512_mask_add_epi32(i, up, i, inc);
-    }
+    if (sr) /* stochastic codes (every code its own value: j is the code) */
+      j = lt_sr8_round16(sr, x, j, i0 + (uint64_t)k, key);
     _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(j));
     const __m512 denom =
         vel ? _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(_mm512_loadu_ps(vel + k)), v_bc2),

@@ -172,28 +172,36 @@ static void lt_sr8_prepare(const lt_quantizer *q, lt_sr8_table *t) {
   }
 }
 
+#ifdef __AVX512F__
+/* The rule's value index for 16 lanes: x = m / amax, j = the index of x's nearest
+   value, base = the global index of lane 0. Used by lt_sr8_tile and by the fused
+   lookup-and-update pass (gefen_avx512.h). */
+static inline __m512i lt_sr8_round16(const lt_sr8_table *t, __m512 x, __m512i j,
+                                     uint64_t base, uint64_t key) {
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512 r = lt_code_uniform16(base, key);
+  const __m512 uj = _mm512_i32gather_ps(j, t->u, 4);
+  __m512i i = _mm512_mask_sub_epi32(j, _mm512_cmp_ps_mask(x, uj, _CMP_LT_OQ), j, one);
+  i = _mm512_max_epi32(i, _mm512_setzero_si512());
+  const __m512 ui = _mm512_i32gather_ps(i, t->u, 4);
+  const __m512 di = _mm512_i32gather_ps(i, t->d, 4);
+  const __mmask16 up =
+      _mm512_cmp_epi32_mask(i, _mm512_set1_epi32(t->last), _MM_CMPINT_LT) &
+      _mm512_cmp_ps_mask(_mm512_sub_ps(x, ui), _mm512_mul_ps(r, di), _CMP_GT_OQ);
+  return _mm512_mask_add_epi32(i, up, i, one);
+}
+#endif
+
 /* x: the tile's m / amax as lt_cells computed it (the rule's x, a division);
    code: in, the nearest codes; out, the stochastic ones. */
 static void lt_sr8_tile(const lt_sr8_table *t, const float *restrict x, int64_t len,
                         uint64_t i0, uint64_t key, uint8_t *restrict code) {
   int64_t k = 0;
 #ifdef __AVX512F__
-  const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
-  const __m512i last = _mm512_set1_epi32(t->last);
   for (; k + 16 <= len; k += 16) { /* the scalar loop's steps, 16 lanes, gathers */
-    const __m512 r = lt_code_uniform16(i0 + (uint64_t)k, key);
-    const __m512 xv = _mm512_loadu_ps(x + k);
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(code + k)));
     const __m512i j = t->identity ? c : _mm512_i32gather_epi32(c, t->value_of, 4);
-    const __m512 uj = _mm512_i32gather_ps(j, t->u, 4);
-    __m512i i = _mm512_mask_sub_epi32(j, _mm512_cmp_ps_mask(xv, uj, _CMP_LT_OQ), j, one);
-    i = _mm512_max_epi32(i, zero);
-    const __m512 ui = _mm512_i32gather_ps(i, t->u, 4);
-    const __m512 di = _mm512_i32gather_ps(i, t->d, 4);
-    const __mmask16 up =
-        _mm512_cmp_epi32_mask(i, last, _MM_CMPINT_LT) &
-        _mm512_cmp_ps_mask(_mm512_sub_ps(xv, ui), _mm512_mul_ps(r, di), _CMP_GT_OQ);
-    i = _mm512_mask_add_epi32(i, up, i, one);
+    const __m512i i = lt_sr8_round16(t, _mm512_loadu_ps(x + k), j, i0 + (uint64_t)k, key);
     const __m512i f = t->identity ? i : _mm512_i32gather_epi32(i, t->first, 4);
     _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(f));
   }
