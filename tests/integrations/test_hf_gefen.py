@@ -161,7 +161,8 @@ def test_bytes_per_param(family):
 
 def test_bf16_llama_trains_like_fp32_adamw():
     """bf16 parameters, Gefen's fp32 state and stochastic rounding of the weights,
-    against AdamW on an fp32 copy of the same (bf16-valued) initial weights."""
+    against AdamW on an fp32 copy of the same (bf16-valued) initial weights: final
+    loss ratio measured 1.005-1.056 over five seeds."""
     ours = TASKS["llama"].build(dtype=torch.bfloat16)
     reference = copy.deepcopy(ours).float()
     gefen = Gefen(ours.parameters(), lr=LR)
@@ -177,7 +178,7 @@ def test_bf16_llama_trains_like_fp32_adamw():
     final = mean_loss(ours.float(), batches)
     final_adamw = mean_loss(reference, batches)
     assert final < 0.8 * initial, (initial, final)
-    assert 0.85 < final / final_adamw < 1.2, (final, final_adamw)
+    assert 0.9 < final / final_adamw < 1.15, (final, final_adamw)
 
 
 class _Both:
@@ -226,6 +227,8 @@ def test_gefen_muon_unquantized_is_torch_muon_on_llama():
 
 
 def test_gefen_muon_8bit_trains_like_torch_muon_on_llama():
+    """Default GefenMuon (8-bit momentum) against torch.optim.Muon + AdamW (fp32
+    state): final loss ratio measured 0.963-1.004 over five seeds."""
     ours, gefen, reference, both, _ = _muon_pair()
     batches = TASKS["llama"].batches()
     initial = mean_loss(ours, batches)
@@ -233,4 +236,4 @@ def test_gefen_muon_8bit_trains_like_torch_muon_on_llama():
     train(reference, both, batches, STEPS)
     final, final_ref = mean_loss(ours, batches), mean_loss(reference, batches)
     assert final < 0.8 * initial, (initial, final)
-    assert 0.85 < final / final_ref < 1.2, (final, final_ref)
+    assert 0.9 < final / final_ref < 1.1, (final, final_ref)
