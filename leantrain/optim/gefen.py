@@ -415,7 +415,7 @@ class Gefen(Optimizer):
             return False
         for _, param, _ in active:
             self.state[param] = {
-                "step": torch.tensor(0.0),
+                "step": torch.tensor(0.0, dtype=torch.float32),
                 "period": torch.tensor(0, dtype=torch.int64),
             }
         return True
