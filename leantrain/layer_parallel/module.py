@@ -158,16 +158,24 @@ class LayerParallel(nn.Module):
         )
         self.warm_start = bool(warm_start)
         self.on_divergence = check_on_divergence(on_divergence)
-        if forward_solver not in FORWARD_SOLVERS:
-            raise ValueError(
-                f"forward_solver must be one of {FORWARD_SOLVERS}, got "
-                f"{forward_solver!r}"
-            )
         self.forward_solver = forward_solver
         self.mode = "parallel"
         self.stats = LayerParallelStats(self.mode)
         self._warm: dict[str, list[State]] = {}
         self._exchanges: tuple[Exchange, Exchange] | None = None  # (forward, adjoint)
+
+    @property
+    def forward_solver(self) -> str:
+        """``"mgrit"`` or ``"serial"`` (exact forward, MGRIT adjoint); settable."""
+        return self._forward_solver
+
+    @forward_solver.setter
+    def forward_solver(self, value: str) -> None:
+        if value not in FORWARD_SOLVERS:
+            raise ValueError(
+                f"forward_solver must be one of {FORWARD_SOLVERS}, got {value!r}"
+            )
+        self._forward_solver = value
 
     @property
     def dt(self) -> float:

@@ -112,6 +112,10 @@ def test_no_grad_forward_is_serial_too():
 def test_forward_solver_is_validated():
     with pytest.raises(ValueError, match="forward_solver must be one of"):
         LayerParallel(_blocks(4), cf=2, forward_solver="pipelined")
+    stack = LayerParallel(_blocks(4), cf=2)
+    with pytest.raises(ValueError, match="forward_solver must be one of"):
+        stack.forward_solver = "Serial"
+    assert stack.forward_solver == "mgrit"
     assert "forward_solver=serial" in repr(
         LayerParallel(_blocks(4), cf=2, forward_solver="serial")
     )
