@@ -97,8 +97,9 @@ class HFLayerParallel(LayerParallel):
 
     Iterating it yields the stack itself once, so the model's own loop over its blocks
     runs the whole ODE in one call, ``stack(hidden, *extras, **extras)``; slicing the
-    full range (Llama's ``layers[: num_hidden_layers]``) does the same, and an integer
-    index returns that HF block. ``state_dict`` keys are the HF model's own
+    full range (Llama's ``layers[: num_hidden_layers]``) does the same. An integer index
+    raises (running one HF block on its own would skip the ODE step); block ``n`` is
+    ``stack.steps[n].block``. ``state_dict`` keys are the HF model's own
     (``h.0.attn...``), so checkpoints load either way; parameter names carry the
     wrapping (``h.steps.0.block.attn...``).
 
@@ -124,16 +125,19 @@ class HFLayerParallel(LayerParallel):
     def __iter__(self) -> Iterator[HFLayerParallel]:
         yield self
 
-    def __getitem__(self, index: int | slice) -> nn.Module | list[HFLayerParallel]:
+    def __getitem__(self, index: slice) -> list[HFLayerParallel]:
         n = len(self.steps)
-        if isinstance(index, slice):
-            if range(n)[index] != range(n):
-                raise IndexError(
-                    f"a layer-parallel stack runs all {n} layers together; slice "
-                    f"{index} selects only some of them"
-                )
-            return [self]
-        return self.steps[index].block
+        if not isinstance(index, slice):
+            raise TypeError(
+                f"a layer-parallel stack runs its {n} blocks as one ODE, so it is not "
+                f"indexed by layer ({index!r}); HF block n is stack.steps[n].block"
+            )
+        if range(n)[index] != range(n):
+            raise IndexError(
+                f"a layer-parallel stack runs all {n} layers together; slice "
+                f"{index} selects only some of them"
+            )
+        return [self]
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
         _check_call(self, args, kwargs)
@@ -247,8 +251,6 @@ def _find_stack(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
 def _check_call(stack: HFLayerParallel, args: tuple, kwargs: dict[str, Any]) -> None:
     """Refuse, naming it, every input or setting the ODE cannot honour."""
     transformers = _transformers()
-    from transformers.utils import output_capturing
-
     named = [(f"argument {i + 1}", a) for i, a in enumerate(args)] + list(
         kwargs.items()
     )
@@ -264,8 +266,7 @@ def _check_call(stack: HFLayerParallel, args: tuple, kwargs: dict[str, Any]) -> 
                 "adjoint returns gradients only for the hidden state and the blocks' "
                 "parameters"
             )
-    collected = output_capturing._active_collector.get() or {}
-    recorded = sorted(k for k in collected if not k.startswith("_"))
+    recorded = sorted(_recorded_outputs(kwargs))
     if recorded:
         raise ValueError(
             f"{', '.join('output_' + k for k in recorded)}=True is not supported by a "
@@ -279,6 +280,21 @@ def _check_call(stack: HFLayerParallel, args: tuple, kwargs: dict[str, Any]) -> 
             )
     if stack.training:
         _check_no_dropout(stack)
+
+
+def _recorded_outputs(kwargs: dict[str, Any]) -> set[str]:
+    """Which per-block outputs (attentions, hidden states) the model call records."""
+    wanted = {
+        k.removeprefix("output_")
+        for k in ("output_attentions", "output_hidden_states")
+        if kwargs.get(k)
+    }
+    try:  # transformers 5 records them with hooks, announced in a context variable
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return wanted
+    collected = _active_collector.get() or {}
+    return wanted | {k for k in collected if not k.startswith("_")}
 
 
 def _check_no_dropout(stack: HFLayerParallel) -> None:

@@ -177,7 +177,25 @@ def test_state_dict_keys_are_the_hf_models_and_load_both_ways():
         assert torch.equal(a, b), k
     assert model.config.use_cache is False
     stack = model.transformer.h
-    assert stack[1] is stack.steps[1].block and stack[:] == [stack]
+    assert list(stack) == [stack] and stack[:] == [stack]
+
+
+def test_micro_batches_backward_in_any_order_use_their_own_masks():
+    # Inexact MGRIT recomputes coarse blocks in backward; with two forwards before
+    # one backward each must see its own attention mask.
+    ref = _model("llama")
+    layer_parallel_hf(ref, t_final=1.0, cf=2, fwd_iters=1, bwd_iters=1)
+    model = copy.deepcopy(ref)
+    ids = token_batch()
+    masks = torch.ones_like(ids), torch.ones_like(ids)
+    masks[1][:, -5:] = 0
+    for mask in masks:  # forward, backward, forward, backward
+        ref(ids, attention_mask=mask, labels=ids).loss.backward()
+    losses = [model(ids, attention_mask=m, labels=ids).loss for m in masks]
+    sum(losses).backward()  # both forwards first, then one backward
+    for (k, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert (a.grad - b.grad).abs().max().item() < 1e-12, k
+    assert _find_lp(model).stats.backward.iterations == 1
 
 
 def test_refusals_name_the_option():
@@ -196,6 +214,8 @@ def test_refusals_name_the_option():
         model(ids, use_cache=True)
     with pytest.raises(IndexError, match="runs all 4 layers"):
         model.transformer.h[:2]
+    with pytest.raises(TypeError, match=r"HF block n is stack.steps\[n\].block"):
+        model.transformer.h[0]
     x = torch.randn(2, 3, 16, dtype=torch.float64)
     mask = torch.zeros(2, 1, 3, 3, dtype=torch.float64, requires_grad=True)
     with pytest.raises(ValueError, match="attention_mask requires grad"):
