@@ -160,11 +160,17 @@ def _find_lp(model) -> HFLayerParallel:
     return next(m for m in model.modules() if isinstance(m, HFLayerParallel))
 
 
-def test_state_dict_keys_are_the_hf_models_and_load_both_ways():
+def test_state_dict_keys_are_the_hf_models_and_load_both_ways(tmp_path):
+    import transformers
+
     ref = _model("gpt2")
     model = copy.deepcopy(ref)
     layer_parallel_hf(model, t_final=1.0, cf=2)
     assert list(model.state_dict()) == list(ref.state_dict())
+    model.save_pretrained(tmp_path)  # a layer-parallel model saves a plain HF one
+    plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64)
+    ids = token_batch()
+    assert torch.equal(plain(ids).logits, ref(ids).logits)
     fresh = tiny_gpt2(dtype=torch.float64, layers=N, seed=1)
     fresh.load_state_dict(model.state_dict())  # layer-parallel -> plain HF
     with torch.no_grad():
