@@ -204,6 +204,22 @@ def test_micro_batches_backward_in_any_order_use_their_own_masks():
     assert _find_lp(model).stats.backward.iterations == 1
 
 
+def test_controller_watches_an_hf_stack():
+    from leantrain.layer_parallel import Controller
+
+    model = _model("gpt2")
+    stack = layer_parallel_hf(model, t_final=1.0, cf=2, fwd_iters=1, bwd_iters=1)
+    ctrl = Controller(model, every=1)
+    assert ctrl.stacks == [stack]
+    ids = token_batch()
+    model(ids, labels=ids).loss.backward()
+    decision = ctrl.step()
+    # the check batch ran doubled cycles, so both solves report a factor
+    assert stack.stats.forward.iterations == 2
+    assert 0 < decision.forward_factor < 1 and 0 < decision.backward_factor < 1
+    assert decision.action == "keep" and decision.fwd_iters == 1
+
+
 def test_refusals_name_the_option():
     with pytest.raises(TypeError, match="supports models built on"):
         layer_parallel_hf(torch.nn.Linear(2, 2))
