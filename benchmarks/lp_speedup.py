@@ -18,7 +18,8 @@ fed to ``leantrain.layer_parallel.simulate`` to predict the 2-process step.
 
 Part 2 (projected). ``simulate`` for N = 128 BERT-base blocks (d 768, 12 heads, 128
 tokens, batch 1, fp32; layer times measured here on one thread), P = 2..64, L = 2-3,
-cf = 2-8, forward 1 cycle (skip) and adjoint 1 cycle, under two communication models:
+cf = 2-8, forward 1 cycle (skip) and adjoint 1 cycle (plus rows for the serial forward
+with an MGRIT adjoint), under two communication models:
 the gloo loopback measured in part 1, and a GPU interconnect (10 us, 25 GB/s).
 
 Run: ``python benchmarks/lp_speedup.py`` (a few minutes on 2 quiet cores);
@@ -250,26 +251,29 @@ def table(gloo: CommModel, args) -> None:
         )
         print("| L | cf | " + " | ".join(f"P={p}" for p in ps) + " |")
         print("|---|---|" + "---|" * len(ps))
-        for levels in (2, 3):
-            for cf in (2, 4, 8):
-                cells = []
-                for p in ps:
-                    if (128 // p) % cf ** (levels - 1):
-                        cells.append("-")
-                        continue
-                    s = simulate(
-                        128,
-                        p,
-                        lt,
-                        levels=levels,
-                        cf=cf,
-                        fwd_iters=1,
-                        bwd_iters=1,
-                        comm=comm,
-                        state_bytes=nbytes,
-                    ).speedup
-                    cells.append(f"**{s:.2f}**" if s > 1 else f"{s:.2f}")
-                print(f"| {levels} | {cf} | " + " | ".join(cells) + " |")
+        rows = [(lv, cf, "mgrit") for lv in (2, 3) for cf in (2, 4, 8)]
+        rows += [(lv, 4, "serial") for lv in (2, 3)]  # serial fwd, MGRIT adjoint
+        for levels, cf, forward_solver in rows:
+            cells = []
+            for p in ps:
+                if (128 // p) % cf ** (levels - 1):
+                    cells.append("-")
+                    continue
+                s = simulate(
+                    128,
+                    p,
+                    lt,
+                    levels=levels,
+                    cf=cf,
+                    fwd_iters=1,
+                    bwd_iters=1,
+                    comm=comm,
+                    state_bytes=nbytes,
+                    forward_solver=forward_solver,
+                ).speedup
+                cells.append(f"**{s:.2f}**" if s > 1 else f"{s:.2f}")
+            label = f"{cf}" if forward_solver == "mgrit" else f"{cf}, serial fwd"
+            print(f"| {levels} | {label} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:

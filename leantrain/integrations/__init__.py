@@ -7,4 +7,9 @@ generic patterns these frameworks use (a transposed linear weight, tied weights,
 broadcast over the batch) without naming any framework.
 """
 
-__all__: list[str] = []
+from leantrain.integrations.hf_layer_parallel import (
+    HFLayerParallel,
+    layer_parallel_hf,
+)
+
+__all__: list[str] = ["HFLayerParallel", "layer_parallel_hf"]

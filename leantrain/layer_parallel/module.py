@@ -6,6 +6,8 @@ graphs, and a custom autograd function runs the adjoint MGRIT in ``backward``, r
 the input gradient and every parameter's gradient to autograd (so ``.grad`` accumulates
 across micro-batches and any optimizer works). ``.serial()`` switches the same module,
 same parameters, to exact layer-by-layer autograd; ``.parallel()`` switches back.
+``forward_solver="serial"`` keeps the forward exact (layer after layer, chunk after
+chunk) and runs only the adjoint with MGRIT.
 
 ``.distribute(group)`` spreads the chunks over the ranks of a ``torch.distributed``
 group, one contiguous chunk of layers per rank (see docs/layer_parallel.md,
@@ -47,6 +49,8 @@ from leantrain.layer_parallel.ode import (
 )
 from leantrain.layer_parallel.schedule import ChunkLayout, Exchange
 
+FORWARD_SOLVERS = ("mgrit", "serial")
+
 
 class MGRITDivergenceError(RuntimeError):
     """MGRIT residuals did not fall (raised when ``on_divergence="raise"``)."""
@@ -58,9 +62,11 @@ class LayerParallelStats:
 
     Attributes:
         mode: ``"parallel"`` or ``"serial"``.
-        forward: the forward solve's stats (None in serial mode).
+        forward: the forward solve's stats (None when the forward ran serially: in
+            serial mode and with ``forward_solver="serial"``).
         backward: the adjoint solve's stats (None before ``backward`` / in serial).
-        serial_steps: layer steps of the serial execution (serial mode only).
+        serial_steps: layer steps run serially: ``N`` in serial mode and for the
+            exact forward of ``forward_solver="serial"``, else 0.
     """
 
     mode: str
@@ -86,7 +92,7 @@ class LayerParallel(nn.Module):
             a plain ResNet) typically does not converge.
         levels: MGRIT grid levels (>= 2).
         cf: coarsening factor (>= 2).
-        fwd_iters: forward V-cycles.
+        fwd_iters: forward V-cycles (unused with ``forward_solver="serial"``).
         bwd_iters: adjoint V-cycles.
         relax: CF-sweeps per non-coarsest level (1 = FCF, 0 = F-relaxation only).
         skip_downcycle: first cycle of a cold start is only a coarse solve.
@@ -96,6 +102,10 @@ class LayerParallel(nn.Module):
             ``cf**(levels-1)``.
         on_divergence: ``"warn"``, ``"raise"`` or ``"ignore"`` when residuals do not
             fall.
+        forward_solver: ``"mgrit"`` (default) or ``"serial"``: the forward is exact
+            serial stepping, chunk after chunk (rank to rank when distributed), and
+            only the adjoint is an MGRIT solve. The output is the serial network's;
+            the gradient is as exact as ``bwd_iters`` makes it.
 
     Raises:
         ValueError: for invalid options or an unsplittable number of steps.
@@ -126,6 +136,7 @@ class LayerParallel(nn.Module):
         warm_start: bool = False,
         chunks: int = 1,
         on_divergence: str = "warn",
+        forward_solver: str = "mgrit",
     ) -> None:
         super().__init__()
         if isinstance(steps, nn.Module) and not isinstance(steps, nn.ModuleList):
@@ -147,10 +158,24 @@ class LayerParallel(nn.Module):
         )
         self.warm_start = bool(warm_start)
         self.on_divergence = check_on_divergence(on_divergence)
+        self.forward_solver = forward_solver
         self.mode = "parallel"
         self.stats = LayerParallelStats(self.mode)
         self._warm: dict[str, list[State]] = {}
         self._exchanges: tuple[Exchange, Exchange] | None = None  # (forward, adjoint)
+
+    @property
+    def forward_solver(self) -> str:
+        """``"mgrit"`` or ``"serial"`` (exact forward, MGRIT adjoint); settable."""
+        return self._forward_solver
+
+    @forward_solver.setter
+    def forward_solver(self, value: str) -> None:
+        if value not in FORWARD_SOLVERS:
+            raise ValueError(
+                f"forward_solver must be one of {FORWARD_SOLVERS}, got {value!r}"
+            )
+        self._forward_solver = value
 
     @property
     def dt(self) -> float:
@@ -268,7 +293,9 @@ class LayerParallel(nn.Module):
         prop = StepPropagator(self.steps, self.dt, self.layout.cf, rng, record=record)
         state = detach(state)
         ex = self._exchanges[0] if self.is_distributed else None
-        if self.mode == "serial":  # distributed serial: exact, rank after rank
+        if self.mode == "serial" or self.forward_solver == "serial":
+            # Exact stepping chunk after chunk (rank after rank when distributed);
+            # a recording propagator keeps every graph for the adjoint.
             traj = pipeline_solve(prop, state, self.layout, ex)
             self.stats.serial_steps = len(self.steps)
             return prop, traj
@@ -356,7 +383,8 @@ class LayerParallel(nn.Module):
             f"N={len(self.steps)}, t_final={self.t_final}, levels={o.levels}, "
             f"cf={o.cf}, fwd_iters={o.iterations}, "
             f"bwd_iters={self.bwd_options.iterations}, chunks={self.layout.chunks}, "
-            f"distributed={self.is_distributed}, mode={self.mode}"
+            f"distributed={self.is_distributed}, mode={self.mode}, "
+            f"forward_solver={self.forward_solver}"
         )
 
 

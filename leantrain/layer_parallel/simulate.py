@@ -26,6 +26,12 @@ Step costs (:class:`LayerTimes`, seconds per layer step): forward without graph
 a stored graph (level 0), VJP including parameter gradients (final adjoint sweep); a
 coarse adjoint step recomputes the layer with a graph and then applies its VJP. The
 serial reference step is ``N`` (forward with graph + VJP with parameters).
+
+``forward_solver="serial"`` (the serial-forward / MGRIT-adjoint mode) replaces the
+forward solve by the exact pipeline the distributed module runs: chunk after chunk,
+each recording its ``N/P`` layers (``forward_record``) once its left neighbour's last
+point has arrived, so the forward costs ``N * forward_record + (P - 1)`` messages plus
+the output broadcast; the adjoint is the same MGRIT solve as in the default mode.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from leantrain.layer_parallel._checks import check_float, check_int
-from leantrain.layer_parallel.mgrit import MGRITOptions, mgrit_solve
+from leantrain.layer_parallel.mgrit import MGRITOptions, mgrit_solve, pipeline_solve
+from leantrain.layer_parallel.module import FORWARD_SOLVERS
 from leantrain.layer_parallel.ode import State
 from leantrain.layer_parallel.schedule import ChunkLayout, Exchange
 
@@ -160,6 +167,8 @@ def _solve_clock(
     cost: Callable[[int, bool], float],
     comm: CommModel,
     state_bytes: float,
+    *,
+    serial: bool = False,
 ) -> float:
     ex = _ClockExchange(layout.chunks, comm, state_bytes)
     gen = torch.Generator().manual_seed(0)
@@ -170,7 +179,11 @@ def _solve_clock(
         # Random stand-in states: residuals never vanish, so no early stop.
         return torch.rand(1, generator=gen, dtype=torch.float64)
 
-    mgrit_solve(prop, torch.zeros(1, dtype=torch.float64), layout, options, exchange=ex)
+    u0 = torch.zeros(1, dtype=torch.float64)
+    if serial:  # the exact forward: every layer once, recorded, chunk after chunk
+        pipeline_solve(prop, u0, layout, exchange=ex)
+    else:
+        mgrit_solve(prop, u0, layout, options, exchange=ex)
     return max(ex.clock)
 
 
@@ -187,6 +200,7 @@ def simulate(
     skip_downcycle: bool = True,
     comm: CommModel | None = None,
     state_bytes: float = 0.0,
+    forward_solver: str = "mgrit",
 ) -> SimResult:
     """Critical-path time of one training step on ``chunks`` ranks.
 
@@ -198,6 +212,8 @@ def simulate(
             :class:`~.module.LayerParallel`.
         comm: the communication model (default: free).
         state_bytes: bytes of one state (batch x tokens x d_model x element size).
+        forward_solver: ``"mgrit"`` or ``"serial"`` (exact pipelined forward, MGRIT
+            adjoint), as in :class:`~.module.LayerParallel`.
 
     Returns:
         A :class:`SimResult`.
@@ -212,6 +228,10 @@ def simulate(
     """
     check_int("n_steps", n_steps, 1)
     check_float("state_bytes", state_bytes, positive=False)
+    if forward_solver not in FORWARD_SOLVERS:
+        raise ValueError(
+            f"forward_solver must be one of {FORWARD_SOLVERS}, got {forward_solver!r}"
+        )
     comm = comm if comm is not None else CommModel()
     layout = ChunkLayout(n_steps, chunks, cf, levels)
     relax = tuple(relax) if not isinstance(relax, int) else relax
@@ -227,7 +247,9 @@ def simulate(
         return times.backward_params if final else times.backward
 
     bcast = comm.broadcast(state_bytes, chunks)
-    forward = _solve_clock(layout, fwd_opts, fwd_cost, comm, state_bytes) + bcast
+    serial = forward_solver == "serial"
+    forward = _solve_clock(layout, fwd_opts, fwd_cost, comm, state_bytes, serial=serial)
+    forward += bcast
     backward = _solve_clock(layout, bwd_opts, bwd_cost, comm, state_bytes) + bcast
     step = forward + backward + comm.broadcast(8, chunks)
     return SimResult(forward, backward, step, n_steps * times.serial_step)

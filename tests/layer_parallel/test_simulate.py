@@ -1,5 +1,6 @@
-"""The schedule simulator: reproduces the cost model's counts, a hand-computed
-communication schedule, the ideal speedups of DESIGN.md, and validates its input."""
+"""The schedule simulator: reproduces the cost model's counts, hand-computed
+communication schedules (MGRIT forward and the serial forward with an MGRIT adjoint),
+the ideal speedups of DESIGN.md, and validates its input."""
 
 from __future__ import annotations
 
@@ -51,6 +52,39 @@ def test_hand_computed_schedule_with_latency():
     assert r.forward == pytest.approx(8 + 2 * 0.5 + 2 * (2 * 0.08))
 
 
+@pytest.mark.parametrize("n,p,levels,cf,k,relax,skip", CONFIGS[::3])
+def test_serial_forward_costs_n_steps_and_keeps_the_adjoint_schedule(
+    n, p, levels, cf, k, relax, skip
+):
+    layout = ChunkLayout(n, p, cf, levels)
+    kw = dict(levels=levels, cf=cf, bwd_iters=k, relax=relax, skip_downcycle=skip)
+    fwd = simulate(n, p, LayerTimes(0.0, 0.0, 1.0, 0.0), forward_solver="serial", **kw)
+    assert fwd.forward == pytest.approx(n)  # no parallelism in the exact forward
+    bwd = simulate(n, p, LayerTimes(0.0, 1.0, 0.0, 1.0), forward_solver="serial", **kw)
+    expect = solve_time(layout, (relax,) * (levels - 1), k, skip=skip)
+    assert bwd.backward == pytest.approx(expect, abs=1e-9)
+
+
+def test_hand_computed_serial_forward_schedule():
+    # N=8, P=2, cf=2, L=2, latency a; forward_record 2, VJP 1, VJP+params 1.
+    # Forward: chunk 0 records 4 layers (t=8), chunk 1 waits 8+a and records 4
+    # (16+a), output broadcast a: 16+2a. Adjoint, one skipped cycle: a coarse step
+    # recomputes the layer with its graph and applies its VJP (2+1): chunk 0 two
+    # (6), chunk 1 waits 6+a and does two (12+a); final sweep after the shift: 2 F
+    # and 2 C VJPs with parameters (16+a), two all-reduces 2a each (16+5a), input
+    # gradient broadcast a: 16+6a. The step adds the batch-seed broadcast a.
+    a = 0.25
+    times = LayerTimes(forward=1.0, backward=1.0, forward_record=2.0)
+    kw = dict(cf=2, bwd_iters=1, comm=CommModel(a), forward_solver="serial")
+    r = simulate(8, 2, times, **kw)
+    assert r.forward == pytest.approx(16 + 2 * a)
+    assert r.backward == pytest.approx(16 + 6 * a)
+    assert r.step == pytest.approx(32 + 9 * a)
+    assert r.serial == pytest.approx(8 * 3.0)
+    mgrit = simulate(8, 2, times, cf=2, bwd_iters=1, comm=CommModel(a))
+    assert mgrit.backward == r.backward  # the adjoint does not depend on the forward
+
+
 @pytest.mark.parametrize("p,cf,expect", [(2, 4, 4 / 3), (4, 4, 2.0), (8, 4, 8 / 3)])
 def test_ideal_forward_speedup_of_design_md(p, cf, expect):
     # TorchBraid default (F-relaxation, skip, one cycle, L=2): S = 1/(1/cf + 1/P)
@@ -77,6 +111,8 @@ def test_result_and_validation():
         simulate(16, 2, LayerTimes(1.0, 1.0), cf=4, levels=3)
     with pytest.raises(ValueError, match="LayerTimes.forward must be finite"):
         LayerTimes(-1.0, 1.0)
+    with pytest.raises(ValueError, match="forward_solver must be one of"):
+        simulate(16, 2, LayerTimes(1.0, 1.0), forward_solver="pipeline")
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         CommModel(bandwidth=0.0)
     with pytest.raises(ValueError, match="latency must be finite"):
