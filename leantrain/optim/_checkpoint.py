@@ -134,7 +134,9 @@ def to_checkpoint(
     if bits is None:
         momentum = state.get("exp_avg")
         if momentum is None:  # provisional
-            momentum = torch.zeros(local_shape, device=_dist.local(param).device)
+            momentum = torch.zeros(
+                local_shape, dtype=torch.float32, device=_dist.local(param).device
+            )
         out["exp_avg"] = _like_param(param, momentum, shape)
     else:
         if "exp_avg_codes" in state:
@@ -147,7 +149,7 @@ def to_checkpoint(
                 device=_dist.local(param).device,
             )
             out["qblock"] = torch.tensor(0, dtype=torch.int64)
-            out["codebook"] = torch.zeros(2**bits)
+            out["codebook"] = torch.zeros(2**bits, dtype=torch.float32)
         out["exp_avg_codes"] = _like_param(param, codes, codes_shape(shape, bits))
     nb, nq = padded_lengths(n, partition, factors)
     for key, length in (("exp_avg_sq", nb), ("exp_avg_absmax", nq)):
@@ -183,7 +185,7 @@ def local_vectors(
     out = {}
     period = int(state["period"])
     for key, length in (("exp_avg_sq", nb), ("exp_avg_absmax", nq)):
-        full = torch.zeros(length, device=device)
+        full = torch.zeros(length, dtype=torch.float32, device=device)
         if key in state and period > 0:
             block = period if key == "exp_avg_sq" else int(state["qblock"])
             values = state[key]

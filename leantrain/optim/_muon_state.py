@@ -75,7 +75,12 @@ def check_muon_state(state: dict, param: Tensor, bits: int | None, label: str) -
     period = int(period) if isinstance(period, Tensor) and period.numel() == 1 else 1
     # check_state knows the rest of the layout; give it the one key Muon lacks.
     blocks = num_blocks(param.numel(), max(1, period))
-    check_state({**state, "exp_avg_sq": torch.zeros(blocks)}, param, bits, label)
+    check_state(
+        {**state, "exp_avg_sq": torch.zeros(blocks, dtype=torch.float32)},
+        param,
+        bits,
+        label,
+    )
 
 
 def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:

@@ -88,12 +88,16 @@ def build_table(codebook: Tensor) -> QuantTable:
     exact = (uniq[:-1].double() + uniq[1:].double()) / 2
     mids = exact.float()
     over = mids.double() > exact
-    mids[over] = torch.nextafter(mids[over], torch.tensor(-float("inf")))
+    mids[over] = torch.nextafter(
+        mids[over], torch.tensor(-float("inf"), dtype=torch.float32)
+    )
     cells = cell_index(mids, CELLS)
     # cells are non-decreasing (mids ascending), so a search counts lower cells
     lut = torch.searchsorted(cells, torch.arange(CELLS), side="left")
     per_cell = torch.bincount(cells, minlength=CELLS)
-    mid = torch.cat([mids, torch.tensor([float("inf")])]).contiguous()
+    mid = torch.cat(
+        [mids, torch.tensor([float("inf")], dtype=torch.float32)]
+    ).contiguous()
     # A cell without a midpoint gets mid[j], which lies in a higher cell, so the
     # comparison is false there and the entry is right for every cell.
     mid_bits = mid[lut].view(torch.int32).to(torch.int64) & 0xFFFFFFFF

@@ -183,7 +183,9 @@ def finish_step(
         codes = nearest_code(codebook)(u[head : head + n])
         if stochastic_codes:
             key = code_rounding.code_key(seed, int(state["step"]))
-            each = padded_rows(torch.zeros(n, device=m.device), span, qblock)
+            each = padded_rows(
+                torch.zeros(n, dtype=torch.float32, device=m.device), span, qblock
+            )
             each = (each + amax[:, None]).view(-1)[head : head + n]
             codes = code_rounding.round_blocks(
                 m, each, codebook, key, span.start, codes
@@ -191,7 +193,9 @@ def finish_step(
         packed = pack_nibbles(codes) if codebook.numel() == 16 else codes
         state["exp_avg_codes"].copy_(packed)  # the update uses the exact m
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    per = padded_rows(torch.zeros(n, device=g.device), span, period)
+    per = padded_rows(
+        torch.zeros(n, dtype=torch.float32, device=g.device), span, period
+    )
     per = (per + denom[:, None]).view(-1)[span.start % period :][:n]
     apply_update(w32, m, per, step_size, lr, update_clip)
     if w32 is not flat:

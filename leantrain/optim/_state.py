@@ -94,13 +94,17 @@ def new_state(
     state = {
         "step": torch.tensor(0.0, dtype=torch.float32),
         "period": torch.tensor(period, dtype=torch.int64),
-        "exp_avg_sq": torch.zeros(num_blocks(n, period), device=device),
+        "exp_avg_sq": torch.zeros(
+            num_blocks(n, period), dtype=torch.float32, device=device
+        ),
     }
     if factored is not None:
         rows, cols = factored
         if rows * cols != n:
             raise ValueError(f"factors {rows} x {cols} do not cover {n} elements")
-        state["exp_avg_sq"] = torch.zeros(rows + cols, device=device)
+        state["exp_avg_sq"] = torch.zeros(
+            rows + cols, dtype=torch.float32, device=device
+        )
         state[FACTORED_KEY] = torch.tensor(rows, dtype=torch.int64)
     if bits is None:
         state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=device)
@@ -112,7 +116,9 @@ def new_state(
     state["exp_avg_codes"] = torch.full(
         (codes_length(n, bits),), fill, dtype=torch.uint8, device=device
     )
-    state["exp_avg_absmax"] = torch.zeros(num_blocks(n, qblock), device=device)
+    state["exp_avg_absmax"] = torch.zeros(
+        num_blocks(n, qblock), dtype=torch.float32, device=device
+    )
     state["qblock"] = torch.tensor(qblock, dtype=torch.int64)
     state["codebook"] = codebook
     return state

@@ -199,7 +199,9 @@ def _big_block(
             m = _momentum(g, state, s, e, block, bits, table, h["w1"])
             amax = max(amax, float(m.abs().amax()))
     if factors is None:
-        mean = torch.tensor([total / (end - start)], device=grad.device)
+        mean = torch.tensor(
+            [total / (end - start)], dtype=torch.float32, device=grad.device
+        )
         v = state["exp_avg_sq"][b : b + 1]
         v.mul_(h["beta2"]).add_(mean, alpha=h["omb2"])
         denom = (v.sqrt() / h["sqrt_bc2"]).add_(h["eps"])

@@ -163,7 +163,7 @@ def factored_v(factors: Tensor, rows: int, cbar: float, start: int, end: int) ->
     (zeros while ``cbar`` is 0)."""
     cols = factors.numel() - rows
     if cbar == 0.0:
-        return torch.zeros(end - start, device=factors.device)
+        return torch.zeros(end - start, dtype=torch.float32, device=factors.device)
     index = torch.arange(start, end, device=factors.device)
     r, c = factors[:rows], factors[rows:]
     divisor = torch.tensor(cbar, dtype=torch.float32, device=factors.device)

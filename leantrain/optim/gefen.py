@@ -319,6 +319,10 @@ class Gefen(Optimizer):
                     _dist.local(param), periods[param], bits, codebook, factors
                 )
 
+    # torch.compile(opt.step) runs this step eagerly: it is one native call (or the
+    # chunked fallback) over every parameter, which Dynamo cannot trace, and a
+    # partial trace around it changed results silently; eager is bit-exact.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Performs one optimization step.
@@ -411,7 +415,7 @@ class Gefen(Optimizer):
             return False
         for _, param, _ in active:
             self.state[param] = {
-                "step": torch.tensor(0.0),
+                "step": torch.tensor(0.0, dtype=torch.float32),
                 "period": torch.tensor(0, dtype=torch.int64),
             }
         return True

@@ -292,6 +292,10 @@ class GefenMuon(Optimizer):
                 del state["exp_avg_sq"]  # Muon keeps no second moment
             self.state[param] = state
 
+    # torch.compile(opt.step) runs this step eagerly: it is one native call (or the
+    # chunked fallback) over every parameter, which Dynamo cannot trace, and a
+    # partial trace around it changed results silently; eager is bit-exact.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Performs one optimization step.

@@ -105,7 +105,7 @@ def block_mean_square(x_flat: Tensor, period: int) -> Tensor:
     for start, rows, cols, block in _pieces(n, period, CHUNK_ELEMENTS):
         piece = x[start : start + rows * cols].view(rows, cols).float()
         sums[block : block + rows] += piece.square().sum(dim=1)
-    lengths = torch.full((nb,), float(period), device=x.device)
+    lengths = torch.full((nb,), float(period), dtype=torch.float32, device=x.device)
     if nb:
         lengths[-1] = n - (nb - 1) * period
     return sums.div_(lengths)

@@ -12,6 +12,7 @@ from it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +23,13 @@ from leantrain.precond._checks import check_callable, check_module
 from leantrain.precond.stand_in import StandIn
 
 __all__ = ["GradientMaker", "unwrap_model"]
+
+
+def compiled_original(model_or_fn: Any) -> Any:
+    """The module/function ``torch.compile`` wrapped; None if not compiled."""
+    if isinstance(model_or_fn, torch._dynamo.eval_frame.OptimizedModule):
+        return model_or_fn._orig_mod
+    return getattr(model_or_fn, "_torchdynamo_orig_callable", None)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -97,9 +105,31 @@ class GradientMaker:
             )
         self._calls += 1
         self._origin = _si.Origin(f"setup_model_call #{self._calls}")
-        self._model_call = (model_or_fn, args, kwargs)
+        self._model_call = (self._eager_if_compiled(model_or_fn), args, kwargs)
         self._loss_call = None
         return _si.root(self._origin)
+
+    # Whether the maker may call a torch.compile'd module as compiled. Makers that read
+    # activations or output-gradients through module hooks, or take Hessian-vector
+    # products through the call, cannot: hooks do not fire inside a compiled graph.
+    runs_compiled_calls: bool = True
+
+    def _eager_if_compiled(self, model_or_fn: Any) -> Any:
+        """``model_or_fn``, or the original module/function of a compiled one."""
+        original = compiled_original(model_or_fn)
+        if original is None or self.runs_compiled_calls:
+            return model_or_fn
+        if not getattr(self, "_warned_compiled", False):
+            self._warned_compiled = True
+            warnings.warn(
+                f"{type(self).__name__}: the model call goes to a torch.compile'd "
+                "module or function; module hooks do not fire inside a compiled "
+                "graph, so this maker calls the original one eagerly (the same "
+                "results as an uncompiled model, without the compile speed-up). "
+                "GradientMaker and ShampooGradientMaker run compiled calls as given.",
+                stacklevel=3,
+            )
+        return original
 
     def setup_loss_call(self, fn: Any, /, *args: Any, **kwargs: Any) -> None:
         """The loss is ``fn(*args, **kwargs)`` with stand-ins replaced by real values.

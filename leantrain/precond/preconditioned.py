@@ -102,6 +102,8 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         (1, 1, 1)
     """
 
+    runs_compiled_calls = False  # hooks and HVPs need the eager call
+
     def __init__(
         self, model: nn.Module, config: PreconditioningConfig | None = None
     ) -> None:

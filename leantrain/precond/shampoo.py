@@ -98,6 +98,8 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         [(3, 3), (4, 4)]
     """
 
+    runs_compiled_calls = True  # it reads only the gradients
+
     def __init__(
         self,
         model: nn.Module,

@@ -2,8 +2,9 @@
 
 The fused paths are held to ``reference_step`` with a clip in test_fused.py; here:
 what "auto" means, that the clip bounds real steps (and that without it 4-bit steps
-are many lr), that an unclipped configuration is bit for bit the old one, a float64
-AdamW with clamped steps as the independent reference, checkpoints and bad values.
+are many lr), that `update_clip=None` is bit for bit the unclipped update, a
+float64 AdamW with clamped steps as the independent reference, checkpoints and bad
+values.
 """
 
 from __future__ import annotations
@@ -252,9 +253,9 @@ def test_bound_is_lr_times_clip_in_fp32_and_never_overflows():
 
 @pytest.mark.slow
 def test_4bit_default_within_3_percent_of_adamw_on_the_digits_mlp(monkeypatch):
-    """The issue's 4-bit figure on `leantrain compare --model mlp` (300 steps),
+    """The 4-bit figure on `leantrain compare --model mlp` (300 steps),
     seeds 0-3: the geometric mean of Gefen 4-bit's validation loss over AdamW's of
-    the same seed is within 3 %. Unclipped (the eighth session's default) the same
+    the same seed is within 3 %. Unclipped (`update_clip=None`) the same
     seeds score 1.05, so this fails without the clip."""
     import math
 
