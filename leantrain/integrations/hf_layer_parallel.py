@@ -139,7 +139,9 @@ class HFLayerParallel(LayerParallel):
             )
         return [self]
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+    def forward(
+        self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         _check_call(self, args, kwargs)
         self._extras.set(args, kwargs)
         out = super().forward(hidden_states)

@@ -7,7 +7,8 @@
   untouched HF model whose blocks' forwards are patched in the test to that damped
   step, so the HF model's own loop computes the serial solve. The serial mode and MGRIT
   iterated to exactness (both solvers) equal it; one inexact cycle does not.
-* A 2-process gloo run of GPT-2 (``.distribute()``) equals the one-process serial solve
+* A 2-process gloo run of GPT-2 (``.distribute()``, MGRIT forward and the serial
+  forward with an MGRIT adjoint) equals the one-process serial solve
   (slow: the spawned processes import transformers).
 * Refusals name the option; state-dict keys stay the HF model's.
 """
@@ -280,26 +281,32 @@ def test_docstring_example_runs():
     assert result.attempted > 0 and result.failed == 0
 
 
-def _gpt2_worker(rank: int, world: int) -> dict[str, float]:
+def _gpt2_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     ref = tiny_gpt2(dtype=torch.float64, layers=N)
     inputs = _inputs("gpt2")
     options = dict(t_final=1.0, levels=2, cf=2, fwd_iters=2, bwd_iters=2)
     serial = copy.deepcopy(ref)
     layer_parallel_hf(serial, **options).serial()
-    model = copy.deepcopy(ref)
-    stack = layer_parallel_hf(model, skip_downcycle=False, **options).distribute()
     y0, l0, g0 = _run(serial, inputs)
-    y1, l1, g1 = _run(model, inputs)
-    layer = {k: re.match(r"transformer\.h\.(\d+)\.", k) for k in g1}
-    mine = [k for k, m in layer.items() if not m or int(m[1]) in stack.owned_layers]
-    return {
-        "logits": (y0 - y1).abs().max().item(),
-        "loss": abs(l0.item() - l1.item()),
-        "grads": max((g0[k] - g1[k]).abs().max().item() for k in mine),
-        # the other rank's layers run and train there: no gradient here
-        "foreign_grads": float(any(g1[k] is not None for k in g1 if k not in mine)),
-        "owned": float(len(stack.owned_layers)),
-    }
+    results = {}
+    for solver in ("mgrit", "serial"):  # MGRIT forward; serial forward, MGRIT adjoint
+        model = copy.deepcopy(ref)
+        stack = layer_parallel_hf(
+            model, skip_downcycle=False, forward_solver=solver, **options
+        ).distribute()
+        y1, l1, g1 = _run(model, inputs)
+        layer = {k: re.match(r"transformer\.h\.(\d+)\.", k) for k in g1}
+        own = stack.owned_layers
+        mine = [k for k, m in layer.items() if not m or int(m[1]) in own]
+        results[solver] = {
+            "logits": (y0 - y1).abs().max().item(),
+            "loss": abs(l0.item() - l1.item()),
+            "grads": max((g0[k] - g1[k]).abs().max().item() for k in mine),
+            # the other rank's layers run and train there: no gradient here
+            "foreign_grads": float(any(g1[k] is not None for k in g1 if k not in mine)),
+            "owned": float(len(own)),
+        }
+    return results
 
 
 @pytest.mark.slow  # two spawned processes importing transformers: over a minute here
@@ -307,7 +314,8 @@ def _gpt2_worker(rank: int, world: int) -> dict[str, float]:
 def test_two_process_gpt2_equals_serial():
     from tests.distributed.launch import run_distributed
 
-    for result in run_distributed(_gpt2_worker, 2, timeout=120):
-        assert result["owned"] == N / 2
-        assert result["logits"] < 1e-10 and result["loss"] < 1e-10
-        assert result["grads"] < 1e-10 and result["foreign_grads"] == 0.0
+    for per_solver in run_distributed(_gpt2_worker, 2, timeout=120):
+        for result in per_solver.values():
+            assert result["owned"] == N / 2
+            assert result["logits"] < 1e-10 and result["loss"] < 1e-10
+            assert result["grads"] < 1e-10 and result["foreign_grads"] == 0.0
