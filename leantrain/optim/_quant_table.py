@@ -95,6 +95,8 @@ def build_table(codebook: Tensor) -> QuantTable:
     # cells are non-decreasing (mids ascending), so a search counts lower cells
     lut = torch.searchsorted(cells, torch.arange(CELLS), side="left")
     per_cell = torch.bincount(cells, minlength=CELLS)
+    # Explicit fp32 (whatever torch's default dtype): the kernel reads mid's bits as
+    # int32, so a float64 sentinel would promote mid and double the view's length.
     mid = torch.cat(
         [mids, torch.tensor([float("inf")], dtype=torch.float32)]
     ).contiguous()

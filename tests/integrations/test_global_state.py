@@ -3,11 +3,12 @@
 Three process-wide settings users turn on: a float64 default dtype
 (``torch.set_default_dtype``), ``torch.use_deterministic_algorithms(True)`` and
 anomaly detection (``torch.autograd.set_detect_anomaly(True)``). Under each, Gefen
-(8-bit and 4-bit momentum), GefenMuon, the K-FAC and Shampoo gradient makers and
-``LayerParallel`` produce bit for bit what they produce without it: the model is built
-before the setting is turned on, so any difference comes from a tensor the library
-creates itself (the failure a float64 default used to expose: Gefen's quantization
-table built from a float64 ``inf``). Every test restores the settings it changed.
+(8-bit and 4-bit momentum; also on a Hugging Face GPT-2), GefenMuon, the K-FAC and
+Shampoo gradient makers and ``LayerParallel`` produce bit for bit what they produce
+without it. The model is built before the setting is turned on, so any difference
+comes from a tensor the library creates itself (for example the +inf sentinel of
+Gefen's quantization table, which must be fp32 for the table's bit layout). Every
+test restores the settings it changed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from leantrain.precond import (
     PreconditioningConfig,
     ShampooGradientMaker,
 )
+
+from .conftest import tiny_gpt2, token_batch
 
 VOCAB, SEQ, BATCH = 32, 8, 4
 
@@ -213,3 +216,22 @@ def test_layer_parallel_ignores_global_settings(setting):
     expected = _layer_parallel_gradients(None)
     actual = _layer_parallel_gradients(setting)
     _assert_same(expected, actual)
+
+
+def _hf_gpt2_after_steps(setting: str | None) -> list[torch.Tensor]:
+    model = tiny_gpt2()
+    context = SETTINGS[setting]() if setting else contextlib.nullcontext()
+    with context:
+        optimizer = Gefen(model.parameters(), lr=1e-2)
+        for seed in range(3):
+            ids = token_batch(seed=seed)
+            optimizer.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+    return [p.detach().clone() for p in model.parameters()] + _state_tensors(optimizer)
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_gefen_on_hf_gpt2_ignores_global_settings(setting):
+    """The same on a Hugging Face GPT2LMHeadModel (its own loss, tied embeddings)."""
+    _assert_same(_hf_gpt2_after_steps(None), _hf_gpt2_after_steps(setting))

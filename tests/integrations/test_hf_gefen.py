@@ -21,6 +21,7 @@ On GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM and ViTForImageClassificat
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -96,15 +97,28 @@ def test_fp32_momentum_per_element_is_adamw(family):
 RATIO_BOUNDS = {8: (0.85, 1.35), 4: (0.8, 1.2)}
 
 
+@functools.cache
+def _adamw_losses(family: str) -> tuple[float, float]:
+    """AdamW's mean loss before and after STEPS (deterministic, so computed once)."""
+    _, _, reference, adamw, _ = _pair(family)
+    batches = TASKS[family].batches()
+    initial = mean_loss(reference, batches)
+    train(reference, adamw, batches, STEPS)
+    return initial, mean_loss(reference, batches)
+
+
+def _gefen_loss(family: str, **options) -> float:
+    ours, gefen, _, _, _ = _pair(family, **options)
+    batches = TASKS[family].batches()
+    train(ours, gefen, batches, STEPS)
+    return mean_loss(ours, batches)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trains_like_adamw(family, bits):
-    ours, gefen, reference, adamw, _ = _pair(family, momentum_bits=bits)
-    batches = TASKS[family].batches()
-    initial = mean_loss(ours, batches)
-    train(ours, gefen, batches, STEPS)
-    train(reference, adamw, batches, STEPS)
-    final, final_adamw = mean_loss(ours, batches), mean_loss(reference, batches)
+    initial, final_adamw = _adamw_losses(family)
+    final = _gefen_loss(family, momentum_bits=bits)
     assert final < 0.85 * initial, (initial, final)
     low, high = RATIO_BOUNDS[bits]
     assert low < final / final_adamw < high, (final, final_adamw)
@@ -114,11 +128,7 @@ def test_per_element_8bit_closes_the_gap_on_bert():
     """The BERT gap of the default 8-bit Gefen is the block-shared second moment:
     per-element v with the same 8-bit momentum is AdamW's loss (measured 1.000-1.001
     over three seeds)."""
-    ours, gefen, reference, adamw, _ = _pair("bert", partition="element")
-    batches = TASKS["bert"].batches()
-    train(ours, gefen, batches, STEPS)
-    train(reference, adamw, batches, STEPS)
-    ratio = mean_loss(ours, batches) / mean_loss(reference, batches)
+    ratio = _gefen_loss("bert", partition="element") / _adamw_losses("bert")[1]
     assert abs(ratio - 1) < 0.02, ratio
 
 
