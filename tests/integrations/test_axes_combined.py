@@ -118,7 +118,7 @@ class Run:
         if state["maker"] is not None:
             self.maker.load_state_dict(state["maker"])
         self.opt.load_state_dict(state["opt"])
-        if self.ctrl is not None:
+        if self.ctrl is not None and state["ctrl"] is not None:
             self.ctrl.load_state_dict(state["ctrl"])
         torch.set_rng_state(state["rng"])
 
@@ -225,3 +225,39 @@ def test_checkpoint_resume_bit_exact(opt, maker):
         assert torch.equal(p, resumed.params()[name]), name
     assert whole.losses[2:] == resumed.losses
     assert whole.ctrl.state_dict() == resumed.ctrl.state_dict()
+
+
+def test_controller_switch_to_serial_keeps_maker_and_gefen_state():
+    # Two batches layer-parallel, then the Controller's check switches the stack to
+    # serial; the next steps must equal a plain serial GPT started from the states
+    # (weights, K-FAC factors, Gefen codes) the switch left.
+    torch.manual_seed(5)
+    run = Run("gefen8", "kfac", "lp")
+    run.maker = make_gradient_maker(
+        "kfac",
+        run.model,
+        config={"damping": 1e-2, "ema_decay": 0.9, "ignore_modules": ["wpe"]},
+    )
+    run.ctrl = Controller(run.model, every=2)
+    for _ in range(2):
+        run.step()
+    run.ctrl.threshold = 1e-300  # the check of batch 2 finds "too slow" and switches
+    run.step()
+    assert run.ctrl.switched and run.ctrl.records[-1].action == "serial"
+    blob = run.state()
+
+    serial = Run("gefen8", "kfac", "serial")
+    serial.maker = make_gradient_maker(
+        "kfac",
+        serial.model,
+        config={"damping": 1e-2, "ema_decay": 0.9, "ignore_modules": ["wpe"]},
+    )
+    serial.load(blob)
+    assert serial.maker.state_dict()["ema"] and serial.opt.state  # states carried
+    for _ in range(2):
+        run.step()
+        serial.step()
+    assert run.losses[-2:] == serial.losses
+    want, got = serial.params(), run.params()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-15)
