@@ -13,6 +13,10 @@ that watches those layers through hooks (the curvature makers of
   such a graph answers ``None``; a gradient reaches it only while the solver's
   backward runs, which fires its tensor hooks, so a hook-based collector must take
   the output-gradients from its hooks (:func:`in_detached`, :func:`detached_count`).
+* :func:`note_partial`: this process evaluated only part of the model's layers (a
+  stack spread over processes); code whose statistics couple all layers (one Gram
+  matrix over every layer's per-example gradients) must not treat its part as the
+  whole (:func:`partial_count`).
 
 This module belongs to none of the three axes, so that both can import it (they never
 import each other). The flags are process-wide counters, not thread-local: autograd
@@ -37,9 +41,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["auxiliary", "detached", "detached_count", "in_detached", "is_auxiliary"]
+__all__ = [
+    "auxiliary",
+    "detached",
+    "detached_count",
+    "in_detached",
+    "is_auxiliary",
+    "note_partial",
+    "partial_count",
+]
 
-_state = {"auxiliary": 0, "detached": 0, "detached_total": 0}
+_state = {"auxiliary": 0, "detached": 0, "detached_total": 0, "partial_total": 0}
 
 
 @contextlib.contextmanager
@@ -76,3 +88,13 @@ def in_detached() -> bool:
 def detached_count() -> int:
     """How many :func:`detached` evaluations this process has entered so far."""
     return _state["detached_total"]
+
+
+def note_partial() -> None:
+    """Record that this process just evaluated only its own part of the layers."""
+    _state["partial_total"] += 1
+
+
+def partial_count() -> int:
+    """How many :func:`note_partial` calls this process has made so far."""
+    return _state["partial_total"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from leantrain import evaluation
 from leantrain.layer_parallel._checks import (
     check_float,
     check_int,
@@ -262,6 +263,8 @@ class LayerParallel(nn.Module):
         if self.is_distributed and rng.enabled:
             # Every rank must run its layers with the first rank's batch seed.
             rng.batch_seed = self._exchanges[0].broadcast_int(rng.batch_seed, 0)
+        if self.is_distributed:  # only this rank's layers run here
+            evaluation.note_partial()
         if self.mode == "serial" and not self.is_distributed:
             self.stats = LayerParallelStats("serial", serial_steps=len(self.steps))
             return serial_forward(self.steps, state, self.dt, rng)
