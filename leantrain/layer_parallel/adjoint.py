@@ -13,7 +13,11 @@ forward's final sweep. Coarse level ``l`` is the exact adjoint of the forward co
 step: the VJP of the fine layer at the coarse interval's start, ``n = J cf^l``,
 recomputed at its stored input with ``dt = cf^l h``. Parameter gradients are taken only
 in the final sweep (each layer exactly once) and summed per parameter; the autograd
-function returns them so autograd *accumulates* them into ``.grad``.
+function returns them so autograd *accumulates* them into ``.grad``. Every other
+vector-Jacobian product and coarse recomputation runs under
+:func:`leantrain.evaluation.auxiliary`, so tensor hooks on a layer's outputs (curvature
+collectors) fire for the final sweep only: its output-gradients are the exact adjoint
+ones when MGRIT has converged.
 
 Chunks: adjoint chunk ``q`` is forward chunk ``P - 1 - q`` (reversed order), which owns
 the same layers in both directions, so no layer or graph ever moves between chunks.
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from leantrain import evaluation
 from leantrain.layer_parallel.mgrit import (
     MGRITOptions,
     MGRITStats,
@@ -111,7 +116,8 @@ class AdjointPropagator:
         if level == 0:
             n = self.n_steps - m
             if not final:
-                return vjp(fwd.outputs[n], fwd.inputs[n], w)[0]
+                with evaluation.auxiliary():  # hooks see only the final sweep
+                    return vjp(fwd.outputs[n], fwd.inputs[n], w)[0]
             gx, gp = vjp(fwd.outputs[n], fwd.inputs[n], w, self.params[n])
             for p, g in zip(self.params[n], gp, strict=True):
                 if g is not None:
@@ -121,9 +127,10 @@ class AdjointPropagator:
         scale = fwd.cf**level
         n = (self.n_steps // scale - m) * scale
         x = leaf(fwd.inputs[n])
-        with torch.enable_grad():
-            y = run_step(fwd.steps[n], x, scale * fwd.h, n, fwd.rng)
-        return vjp(y, x, w, retain_graph=False)[0]
+        with evaluation.auxiliary():
+            with torch.enable_grad():
+                y = run_step(fwd.steps[n], x, scale * fwd.h, n, fwd.rng)
+            return vjp(y, x, w, retain_graph=False)[0]
 
 
 def adjoint_solve(

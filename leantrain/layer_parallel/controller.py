@@ -182,6 +182,48 @@ class Controller:
         self._arm()
         return decision
 
+    def state_dict(self) -> dict:
+        """What resuming needs: the batch count, a check in progress, and each
+        stack's mode and iteration counts (the decision records are not kept)."""
+        return {
+            "batch": self.batch,
+            "saved": None if self._saved is None else [list(t) for t in self._saved],
+            "stacks": [
+                {
+                    "mode": s.mode,
+                    "fwd_iters": s.fwd_options.iterations,
+                    "bwd_iters": s.bwd_options.iterations,
+                }
+                for s in self.stacks
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`: the stacks switch to the saved mode and counts.
+
+        Raises:
+            ValueError: if ``state`` has other keys or another number of stacks.
+        """
+        if not isinstance(state, dict) or set(state) != {"batch", "saved", "stacks"}:
+            raise ValueError(
+                "state must be a dict with the keys ['batch', 'saved', 'stacks'], "
+                f"got {state!r}"
+            )
+        if len(state["stacks"]) != len(self.stacks):
+            raise ValueError(
+                f"state holds {len(state['stacks'])} stacks, the model has "
+                f"{len(self.stacks)}"
+            )
+        self.batch = check_int("state['batch']", state["batch"], 0)
+        saved = state["saved"]
+        self._saved = None if saved is None else [tuple(t) for t in saved]
+        for s, entry in zip(self.stacks, state["stacks"], strict=True):
+            s.set_iterations(entry["fwd_iters"], entry["bwd_iters"])
+            if entry["mode"] == "serial":
+                s.serial()
+            else:
+                s.parallel()
+
     def _decide(self) -> Decision:
         saved, self._saved = self._saved, None
         fwd = max(convergence_factor(s.stats.forward) for s in self.stacks)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from leantrain import evaluation
 from leantrain.layer_parallel._checks import (
     check_float,
     check_int,
@@ -56,6 +57,18 @@ class MGRITDivergenceError(RuntimeError):
     """MGRIT residuals did not fall (raised when ``on_divergence="raise"``)."""
 
 
+NO_SECOND_DERIVATIVE = (
+    "LayerParallel computes its backward as an adjoint MGRIT solve, which has no "
+    "derivative of its own: double backward (create_graph=True; Hessian-vector "
+    "products, e.g. PsgdGradientMaker, HessianFreeGradientMaker, "
+    "NewtonGradientMaker, curvature(kind='hessian'/'ggn')) and torch.func transforms "
+    "(e.g. DiagonalEmpiricalFisherGradientMaker's per-example pass) need exact "
+    "layer-by-layer autograd: call .serial() on the LayerParallel stack (one "
+    "process) for them, or use a maker built on first derivatives (K-FAC, EKFAC, "
+    "K-BFGS, Shampoo, SENG, SMW-NG, NaturalGradientMaker)"
+)
+
+
 @dataclass
 class LayerParallelStats:
     """What the last call did.
@@ -64,7 +77,11 @@ class LayerParallelStats:
         mode: ``"parallel"`` or ``"serial"``.
         forward: the forward solve's stats (None when the forward ran serially: in
             serial mode and with ``forward_solver="serial"``).
-        backward: the adjoint solve's stats (None before ``backward`` / in serial).
+        backward: the last adjoint solve's stats (None before ``backward`` / in
+            serial).
+        backwards: every adjoint solve of this call, in order: a curvature maker
+            back-propagates several vectors through one forward (the loss gradient,
+            then its Fisher vectors), each an adjoint solve with its own residuals.
         serial_steps: layer steps run serially: ``N`` in serial mode and for the
             exact forward of ``forward_solver="serial"``, else 0.
     """
@@ -73,11 +90,12 @@ class LayerParallelStats:
     forward: MGRITStats | None = None
     backward: MGRITStats | None = None
     serial_steps: int = 0
+    backwards: list[MGRITStats] = field(default_factory=list)
 
     @property
     def layer_steps(self) -> int:
-        """Layer steps counted so far in this call (forward plus adjoint)."""
-        solves = [s for s in (self.forward, self.backward) if s is not None]
+        """Layer steps counted so far in this call (forward plus every adjoint)."""
+        solves = [s for s in (self.forward, *self.backwards) if s is not None]
         return self.serial_steps + sum(s.total_work for s in solves)
 
 
@@ -261,10 +279,17 @@ class LayerParallel(nn.Module):
 
     def forward(self, state: State) -> State:
         state = check_state(state)
-        rng = LayerRNG.draw(state, enabled=self.training)
+        # Under torch.func (vmap, grad) only exact autograd can run: no MGRIT, and no
+        # per-layer streams (they draw a seed with .item()); vmap's randomness holds.
+        transformed = torch._C._functorch.peek_interpreter_stack() is not None
+        if transformed and (self.mode != "serial" or self.is_distributed):
+            raise RuntimeError(NO_SECOND_DERIVATIVE)
+        rng = LayerRNG.draw(state, enabled=self.training and not transformed)
         if self.is_distributed and rng.enabled:
             # Every rank must run its layers with the first rank's batch seed.
             rng.batch_seed = self._exchanges[0].broadcast_int(rng.batch_seed, 0)
+        if self.is_distributed:  # only this rank's layers run here
+            evaluation.note_partial()
         if self.mode == "serial" and not self.is_distributed:
             self.stats = LayerParallelStats("serial", serial_steps=len(self.steps))
             return serial_forward(self.steps, state, self.dt, rng)
@@ -349,6 +374,8 @@ class LayerParallel(nn.Module):
         # ``record`` is the stats object of the forward call this solve belongs to
         # (several forwards may run before their backwards).
         setattr(record, which, stats)
+        if which == "backward":
+            record.backwards.append(stats)
         if self.warm_start:
             self._warm[which] = self._global_trajectory(traj, exchange)
         if stats.converged is False and self.on_divergence != "ignore":
@@ -404,8 +431,9 @@ class _MGRITFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative
+            raise RuntimeError(NO_SECOND_DERIVATIVE)
         grad_out = like(
             ctx.template,
             [
@@ -415,6 +443,7 @@ class _MGRITFunction(torch.autograd.Function):
                 )
             ],
         )
-        grad_in, grads = ctx.module._solve_adjoint(ctx.prop, grad_out, ctx.stats)
+        with torch.no_grad():
+            grad_in, grads = ctx.module._solve_adjoint(ctx.prop, grad_out, ctx.stats)
         param_grads = [grads.get(id(p)) for p in ctx.params]
         return (None, None, None, None, *as_tuple(grad_in), *param_grads)

@@ -25,6 +25,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from leantrain import evaluation
+
 State = torch.Tensor | tuple[torch.Tensor, ...]
 
 _MASK64 = (1 << 64) - 1
@@ -171,6 +173,9 @@ class StepPropagator:
     interval, ``n = (j - 1) cf^l``, with ``dt = cf^l h``. Steps run without autograd,
     except in the final sweep when ``record`` is set: then each layer's input is a
     fresh leaf and its graph is kept (``inputs[n]``, ``outputs[n]``) for the adjoint.
+    Every other evaluation runs under :func:`leantrain.evaluation.auxiliary`, the
+    recorded one under :func:`leantrain.evaluation.detached`, so that hooks that
+    collect curvature see each layer once, at the point the gradient is taken.
 
     Args:
         steps: the layers; ``steps[n]`` maps point ``n`` to ``n + 1``.
@@ -204,10 +209,12 @@ class StepPropagator:
         scale = self.cf**level
         n, dt = (j - 1) * scale, scale * self.h
         if final and self.record:
+            # The evaluation the gradient is taken through: once per layer and call,
+            # in a graph of its own (the adjoint links it to the caller's).
             x = leaf(u)
-            with torch.enable_grad():
+            with torch.enable_grad(), evaluation.detached():
                 y = run_step(self.steps[n], x, dt, n, self.rng)
             self.inputs[n], self.outputs[n] = x, y
             return detach(y)
-        with torch.no_grad():
+        with torch.no_grad(), evaluation.auxiliary():
             return run_step(self.steps[n], u, dt, n, self.rng)

@@ -16,6 +16,8 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from leantrain import evaluation
+
 __all__ = ["LinearCapture", "factored_is_cheaper"]
 
 
@@ -64,7 +66,12 @@ class LinearCapture:
         self._handles = []
 
     def _on_forward(self, name: str, module: nn.Module, args: tuple, output) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or evaluation.is_auxiliary():
+            return
+        if evaluation.in_detached():
+            # A graph of its own (a layer-parallel solver's): autograd.grad from the
+            # loss cannot stop at this output, so its gradient is formed as usual.
+            self.records[name] = None
             return
         if name in self.records or not args:  # a second call: weight sharing
             self.records[name] = None

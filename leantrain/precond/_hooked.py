@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from leantrain import evaluation
 from leantrain.precond._fisher import FisherMaker
 from leantrain.precond.curv import CurvatureCollector
 from leantrain.precond.curv.modules import ModuleOp
@@ -99,6 +100,10 @@ class HookedMaker(FisherMaker):
         self._full: Tensor | None = None
         self._sites: list[dict[str, list]] = []
 
+    # True for makers whose curvature couples every module (one Gram matrix or one
+    # full Fisher over all of them): a process holding part of the layers cannot.
+    couples_modules = False
+
     def flat_index(self) -> Tensor:
         """Positions of the selected modules' parameters in the collector's flat
         vector, module by module (the order of :meth:`read_flat`)."""
@@ -109,8 +114,17 @@ class HookedMaker(FisherMaker):
         fn = self._unwrapped_call()  # the gradient is averaged below
         params = [p for p in inner.parameters() if p.requires_grad]
         collector = self._collector
+        partial = evaluation.partial_count()
         with torch.enable_grad(), collector:
             output = self._call_model(fn)
+            if self.couples_modules and evaluation.partial_count() != partial:
+                raise RuntimeError(
+                    f"{type(self).__name__} couples the curvature of all layers, but "
+                    "this process ran only its own layers of a distributed "
+                    "LayerParallel stack (.distribute()); use a layer-wise maker "
+                    "(K-FAC, EKFAC, Shampoo, SENG, NaturalGradientMaker with shape "
+                    "'layer', 'unit' or 'diag') or run the stack in one process"
+                )
             loss = self._loss_from_output(output)
             logits = self._logits(output)
             emp = self.fisher_type == "fisher_emp"

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from leantrain import evaluation
 from leantrain.precond._checks import check_extra_state
 from leantrain.precond._fisher import add_grads
 from leantrain.precond._kron import damped_inverse, read_canonical, write_canonical
@@ -155,6 +156,8 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
                 handle.remove()
 
     def _on_forward(self, name, records, module, args, output) -> None:
+        if not torch.is_grad_enabled() or evaluation.is_auxiliary():
+            return  # e.g. a layer-parallel solver's sweeps: not the gradient's
         op = self.ops[name]
         feats, tensors = op.record(args, output)
         a = feats["a"][0]  # (N, T, J)
@@ -166,6 +169,8 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         records[name] = rec
 
         def on_grad(grad: Tensor) -> None:
+            if evaluation.is_auxiliary():
+                return
             e = op.grad_feature(0, grad)  # (N, T, R)
             rec["g_sum"] = e.sum((0, 1)) / e.shape[1]
 

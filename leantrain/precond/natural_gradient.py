@@ -141,6 +141,7 @@ class NaturalGradientMaker(HookedMaker):
             logits_fn=logits_fn,
             seed=seed,
         )
+        self.couples_modules = shape == "full"
         sizes = {name: op.numel for name, op in self.ops.items()}
         if shape == "full":
             sizes = {"all preconditioned modules": self._collector.numel}

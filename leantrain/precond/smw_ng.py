@@ -81,6 +81,8 @@ class SmwNgGradientMaker(WoodburyMaker):
         torch.Size([16, 16])
     """
 
+    couples_modules = True  # one N x N system summed over every module
+
     def __init__(
         self,
         model: nn.Module,

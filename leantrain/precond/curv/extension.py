@@ -19,6 +19,13 @@ output-gradient (a module called twice in one forward sees its calls as extra
 positions). Gradient hooks only record while :meth:`CurvatureCollector.backward_pass`
 runs, so the user's own ``loss.backward()`` costs nothing extra. Module hooks do not
 run under ``torch.compile``: run the curvature forward eagerly.
+
+Evaluations marked :func:`leantrain.evaluation.auxiliary` (a layer-parallel solver's
+relaxation sweeps, residuals and adjoint re-evaluations) are not recorded, and neither
+are the gradients that reach tensors in them, so every layer is seen once, at the
+point its gradient is taken. After a :func:`leantrain.evaluation.detached` evaluation
+(a graph of its own, joined to the caller's by the solver's backward) the
+output-gradients are taken from the tensor hooks during a backward to the parameters.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from functools import partial
 
 import torch
 from torch import nn
+
+from leantrain import evaluation
 
 from ._mha import mha_forward
 from ._selection import build_ops, resolve_ignored
@@ -155,11 +164,16 @@ class CurvatureCollector:
         self._full: torch.Tensor | None = None
         self.n_passes = 0
         self._checked = False
+        self._detached = False  # a call was recorded in a detached evaluation
 
     # -- hooks -------------------------------------------------------------------
     def _record(self, name: str, args: tuple, output: object) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or evaluation.is_auxiliary():
             return
+        if evaluation.in_detached():
+            # autograd.grad from the output cannot ask for these tensors: their
+            # gradient arrives only through the hooks (see backward_pass).
+            self._detached = True
         feats, tensors = self.ops[name].record(args, output)
         call = (feats, [None] * len(tensors))
         self._calls[name].append(call)
@@ -174,13 +188,15 @@ class CurvatureCollector:
         self._record(name, args, output)
 
     def _on_mha_forward(self, name, module, args, kwargs, output):
+        if evaluation.is_auxiliary():
+            return None  # the module's own output: nothing recorded
         result, taps = mha_forward(module, *args, **kwargs)
         if name in self.ops:
             self._record(name, (), taps)
         return result  # replaces the module's output: the graph now runs through taps
 
     def _on_grad(self, name: str, call: tuple, slot: int, grad: torch.Tensor) -> None:
-        if self._in_pass:
+        if self._in_pass and not evaluation.is_auxiliary():
             call[1][slot] = self.ops[name].grad_feature(slot, grad)
 
     # -- passes ------------------------------------------------------------------
@@ -210,7 +226,8 @@ class CurvatureCollector:
                 grads[:] = [None] * len(grads)
         tracked = [p for op in self.ops.values() for p in op.params]
         check = self.check_gradients and not self._checked
-        if not check and all(t._version == v for *_, t, v in self._outputs):
+        fast = not check and not self._detached
+        if fast and all(t._version == v for *_, t, v in self._outputs):
             self._output_gradients(output, vector)
             grads: tuple = ()
         else:
