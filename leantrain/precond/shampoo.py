@@ -112,12 +112,16 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         super().__init__(model, config)
         # Resolved once: walking the module tree every step costs more than the
         # preconditioning of a small layer.
-        self._params = {
-            f"{name}.{pname}" if name else pname: p
-            for name, module in self.modules()
-            for pname, p in module.named_parameters(recurse=False)
-            if p.requires_grad
-        }
+        # A parameter shared by several modules (tied weights) is preconditioned
+        # once, under its first name: Shampoo's statistics are of the gradient
+        # itself, the sum over the modules that use it, so no tying rule is needed.
+        self._params = {}
+        seen: set[int] = set()
+        for name, module in self.modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self._params[f"{name}.{pname}" if name else pname] = p
         # Between curvature steps a wide nn.Linear skips its weight gradient: its
         # preconditioned weight gradient is formed as (L^{-1/4} E^T)(X R^{-1/4}) from
         # the output-gradients E and inputs X (see _factored.factored_is_cheaper).
