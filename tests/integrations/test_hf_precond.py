@@ -25,6 +25,7 @@ from leantrain.precond import (
     KbfgsGradientMaker,
     KfacGradientMaker,
     NaturalGradientMaker,
+    NewtonGradientMaker,
     PreconditioningConfig,
     PsgdGradientMaker,
     SengGradientMaker,
@@ -301,7 +302,7 @@ MAKERS = {
     "kbfgs": lambda m, c: KbfgsGradientMaker(m, c),
     "seng": lambda m, c: SengGradientMaker(m, c),
     "smw_ng": lambda m, c: SmwNgGradientMaker(m, c),
-    "natural_gradient": lambda m, c: NaturalGradientMaker(m, c),
+    "natural_gradient": lambda m, c: NaturalGradientMaker(m, c, shape="layer"),
     "psgd": lambda m, c: PsgdGradientMaker(m, c),
     "hessian_free": lambda m, c: HessianFreeGradientMaker(m, c),
 }
@@ -344,3 +345,66 @@ def test_every_method_runs_and_reports_what_it_leaves_plain(name, method):
         run(gm, model, ids, targets)
         grads = [p.grad for p in model.parameters()]
         assert all(g is not None and bool(g.isfinite().all()) for g in grads)
+
+
+class _Net(nn.Module):
+    """Two linear layers and a tanh, as nn.Linear or as HF Conv1D (same maps)."""
+
+    def __init__(self, conv1d: bool):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        torch.manual_seed(0)
+        lin = [nn.Linear(4, 6), nn.Linear(6, 3)]
+        if conv1d:
+            layers = []
+            for m in lin:
+                c = Conv1D(m.out_features, m.in_features)
+                with torch.no_grad():
+                    c.weight.copy_(m.weight.T)
+                    c.bias.copy_(m.bias)
+                layers.append(c)
+            lin = layers
+        self.l1, self.l2 = lin
+        self.double()
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+ALL_MAKERS = {
+    **MAKERS,
+    "natural_gradient_full": lambda m, c: NaturalGradientMaker(m, c),
+    "shampoo": lambda m, c: ShampooGradientMaker(m, c),
+    "diagonal_fisher": lambda m, c: DiagonalEmpiricalFisherGradientMaker(m, c),
+    "newton": lambda m, c: NewtonGradientMaker(m, c),
+}
+
+
+@pytest.mark.parametrize("positions", [None, 5])
+@pytest.mark.parametrize("method", sorted(ALL_MAKERS))
+def test_conv1d_is_preconditioned_as_the_transposed_linear(method, positions):
+    """Every method gives a Conv1D network the gradients of the same network built
+    from nn.Linear, transposed: one example per row, or sequences of 5."""
+    g = torch.Generator().manual_seed(0)
+    shape = (6, 4) if positions is None else (6, positions, 4)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 3, shape[:-1], generator=g)
+    grads = []
+    for conv1d in (False, True):
+        model = _Net(conv1d)
+        cfg = PreconditioningConfig(damping=LAM, ema_decay=None)
+        gm = ALL_MAKERS[method](model, cfg)
+        for _ in range(2):  # K-BFGS updates its curvature from the second step
+            model.zero_grad()
+            y = gm.setup_model_call(model, x)
+            gm.setup_loss_call(F.cross_entropy, y.flatten(0, -2), t.flatten())
+            gm.forward_and_backward()
+        grads.append(
+            [p.grad.T if conv1d and p.ndim == 2 else p.grad for p in model.parameters()]
+        )
+    # Conjugate gradients amplify the rounding of the two layouts (2e-7 seen); a
+    # layout error would be of order one.
+    rtol = 1e-5 if method == "hessian_free" else 1e-7
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=1e-10)
