@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._checks import check_extra_state, check_int
+from leantrain.precond._coverage import shared_parameters
 from leantrain.precond._factored import LinearCapture
 from leantrain.precond.curv import robust_eigh
 from leantrain.precond.gradient_maker import unwrap_model
@@ -125,12 +126,17 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         # Between curvature steps a wide nn.Linear skips its weight gradient: its
         # preconditioned weight gradient is formed as (L^{-1/4} E^T)(X R^{-1/4}) from
         # the output-gradients E and inputs X (see _factored.factored_is_cheaper).
+        inner = unwrap_model(model)
+        shared = shared_parameters(inner)
+        tied = {id(p) for pname, p in inner.named_parameters() if pname in shared}
         self._capture = LinearCapture(
             {
                 name: module
                 for name, module in self.modules()
                 if type(module) is nn.Linear
                 and module.weight.requires_grad
+                # A tied weight's gradient also comes from its other modules.
+                and id(module.weight) not in tied
                 and max(module.weight.shape) <= block_size
             },
             bias_column=False,

@@ -187,6 +187,20 @@ def test_kfac_matches_dense_factors_and_preconditioned_gradient(name):
         torch.testing.assert_close(
             canonical_grad(sites[n]), want, rtol=1e-6, atol=1e-8 * scale
         )
+    # LayerNorm / RMSNorm: the exact unit blocks of [γ_i, β_i] (or [γ_i]), from
+    # per-example gradients of each sequence.
+    per_example = per_example_grads(model, ids, targets, scale=True)
+    norms = {
+        n: m for n, m in model.named_modules() if type(m).__name__.endswith("Norm")
+    }
+    assert norms
+    for n, m in norms.items():
+        own = [p for p in m.parameters(recurse=False)]
+        u = torch.stack(
+            [torch.stack([g[id(p)] for p in own], -1) for g in per_example]
+        )  # (N, R, U)
+        want = torch.einsum("nru,nrv->ruv", u, u)
+        torch.testing.assert_close(gm.factors[n]["unit"], want, rtol=1e-9, atol=1e-14)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -259,7 +273,9 @@ def test_diagonal_fisher_on_the_flattened_lm_loss(name):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_shampoo_statistics_are_the_gradient_products(name):
     model, ids, targets = make(name)
-    gm = ShampooGradientMaker(model, PreconditioningConfig(damping=LAM, ema_decay=None))
+    every_2 = dict(curvature_interval=2, preconditioner_interval=2)
+    config = PreconditioningConfig(damping=LAM, ema_decay=None, **every_2)
+    gm = ShampooGradientMaker(model, config)
     model.zero_grad()
     lm_loss(model(input_ids=ids), targets.flatten()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -271,6 +287,14 @@ def test_shampoo_statistics_are_the_gradient_products(name):
         torch.testing.assert_close(stats[0], m @ m.T, rtol=1e-10, atol=1e-14)
         if g.ndim > 1:
             torch.testing.assert_close(stats[1], m.T @ m, rtol=1e-10, atol=1e-14)
+    # A step between curvature updates (the head would skip its weight gradient
+    # there, were it not tied): L^{-1/4} G R^{-1/4} with the full gradient.
+    run(gm, model, ids, targets)
+    for n, p in model.named_parameters():
+        if p.ndim == 2:
+            left, right = gm.roots[n][0]
+            want = left @ grads[n] @ right
+            torch.testing.assert_close(p.grad, want, rtol=1e-8, atol=1e-12)
 
 
 def test_curvature_full_matches_dense_empirical_fisher_with_conv1d_and_tied():
