@@ -7,15 +7,31 @@ curvature pass calls the unwrapped model.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import PreconditionedGradientMaker
 
-__all__ = ["AutogradMaker"]
+__all__ = ["AutogradMaker", "twice_differentiable"]
+
+
+@contextlib.contextmanager
+def twice_differentiable() -> Iterator[None]:
+    """Run ``scaled_dot_product_attention`` by its composite math kernel.
+
+    The fused CPU kernels (flash attention, which Hugging Face models call by
+    default) have no derivative of their backward, so a Hessian-vector product
+    through them fails; the math kernel computes the same attention from
+    differentiable primitives.
+    """
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
 
 
 class AutogradMaker(PreconditionedGradientMaker):
@@ -26,13 +42,15 @@ class AutogradMaker(PreconditionedGradientMaker):
         return any(p.requires_grad for p in module.parameters(recurse=False))
 
     def selected_parameters(self) -> list[nn.Parameter]:
-        """Trainable parameters of the selected modules, module by module."""
-        return [
-            p
-            for _, module in self.modules()
-            for p in module.parameters(recurse=False)
-            if p.requires_grad
-        ]
+        """Trainable parameters of the selected modules, module by module; a
+        parameter shared by several modules (tied weights) appears once."""
+        out, seen = [], set()
+        for _, module in self.modules():
+            for p in module.parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def _graph_pass(self, create_graph: bool) -> tuple[Any, Tensor, Tensor, list]:
         """Forward through the unwrapped model, gradient into ``.grad`` (averaged).
@@ -46,7 +64,7 @@ class AutogradMaker(PreconditionedGradientMaker):
         params = [p for p in inner.parameters() if p.requires_grad]
         selected = self.selected_parameters()
         position = {id(p): i for i, p in enumerate(params)}
-        with torch.enable_grad():
+        with torch.enable_grad(), twice_differentiable():
             output = self._call_model(fn)
             loss = self._loss_from_output(output)
             grads = torch.autograd.grad(

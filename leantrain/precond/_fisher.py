@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from leantrain.precond._checks import check_choice
 from leantrain.precond.curv import as_loss_spec, output_vectors
 from leantrain.precond.curv.kinds import reduction_factor
-from leantrain.precond.curv.modules import SUPPORTED_MODULES
+from leantrain.precond.curv.modules import is_supported_module
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
@@ -120,9 +120,10 @@ class FisherMaker(PreconditionedGradientMaker):
         super().__init__(model, config)
 
     def is_supported(self, module: nn.Module) -> bool:
-        """Linear (and subclasses), Conv2d, Embedding, LayerNorm, BatchNorm1d/2d and
-        MultiheadAttention (its packed ``in_proj``), owning trainable parameters."""
-        return isinstance(module, SUPPORTED_MODULES) and any(
+        """Linear (and subclasses), Conv2d, Embedding, LayerNorm, BatchNorm1d/2d,
+        MultiheadAttention (its packed ``in_proj``), RMSNorm and Hugging Face
+        ``Conv1D``, owning trainable parameters."""
+        return is_supported_module(module) and any(
             p.requires_grad for p in module.parameters(recurse=False)
         )
 

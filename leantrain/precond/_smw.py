@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from leantrain.precond._hooked import HookedMaker, all_gather_rows
+from leantrain.precond.curv._conv1d import Conv1dOp
 from leantrain.precond.curv.modules import LinearFormOp, ModuleOp
 from leantrain.precond.preconditioned import PreconditioningConfig
 
@@ -99,7 +100,11 @@ def example_grads(op: ModuleOp, sites: list) -> ExampleGrads:
     Fisher, so ``U U^T`` is the Fisher of the loss as reduced).
     """
     single = len(sites) == 1 and sites[0].a.shape[1] == 1
-    if single and isinstance(op, LinearFormOp) and not op.transposed:
+    # Float inputs (not an embedding's ids): a Conv1D is transposed only in storage.
+    floats = isinstance(op, LinearFormOp) and (
+        not op.transposed or isinstance(op, Conv1dOp)
+    )
+    if single and floats:
         site = sites[0]
         a = site.a[:, 0]
         if op.has_bias:

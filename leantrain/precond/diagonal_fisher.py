@@ -100,7 +100,10 @@ class DiagonalEmpiricalFisherGradientMaker(PreconditionedGradientMaker):
     Curvature steps compute exact per-example gradients with ``torch.func``; every
     tensor argument of the model call and of the loss call whose leading dimension
     equals the batch size ``B`` (the leading dimension of the model call's first
-    tensor argument) is split into examples, other arguments are shared. The loss
+    tensor argument) is split into examples, and so is a loss-call tensor whose
+    leading dimension is a multiple ``k B`` (a batch flattened row-major, as
+    ``targets.flatten()`` of ``(B, T)`` targets: ``k`` rows per example); other
+    arguments are shared. For a sequence model an example is a sequence. The loss
     must be the mean (``loss_reduction="mean"``) or the sum of per-example losses, and
     the model must treat examples independently (no BatchNorm in training mode).
     On curvature steps, outputs the model reduces over the batch (e.g. a loss it
@@ -150,12 +153,16 @@ class DiagonalEmpiricalFisherGradientMaker(PreconditionedGradientMaker):
         return any(p.requires_grad for p in module.parameters(recurse=False))
 
     def _selected_parameters(self) -> dict[str, nn.Parameter]:
-        return {
-            f"{name}.{pname}" if name else pname: p
-            for name, module in self.modules()
-            for pname, p in module.named_parameters(recurse=False)
+        """By the name ``model.named_parameters()`` gives: a parameter shared by
+        several modules (tied weights) once, under its first name."""
+        chosen = {
+            id(p)
+            for _, module in self.modules()
+            for p in module.parameters(recurse=False)
             if p.requires_grad
         }
+        inner = unwrap_model(self.model)
+        return {n: p for n, p in inner.named_parameters() if id(p) in chosen}
 
     def _curvature_pass(self) -> tuple[Any, Tensor]:
         module = unwrap_model(self.model)
@@ -174,6 +181,10 @@ class DiagonalEmpiricalFisherGradientMaker(PreconditionedGradientMaker):
         for value in leaves(((model_args, model_kwargs), self.loss_call_arguments)):
             if isinstance(value, Tensor) and value.ndim > 0 and value.shape[0] == batch:
                 batched[id(value)] = value
+        # Loss-call tensors flattened over the batch (targets.reshape(-1) of a
+        # (B, T) batch: leading dimension k * B) give each example its k rows.
+        flattened = _flattened(self.loss_call_arguments, batch, batched)
+        batched.update(flattened)
         ids = list(batched)
         params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         # Detached: torch.func differentiates; the outer autograd must not record.
@@ -183,7 +194,10 @@ class DiagonalEmpiricalFisherGradientMaker(PreconditionedGradientMaker):
 
         def example_loss(p: dict[str, Tensor], example: list[Tensor]):
             # Each example becomes a batch of one, so the model sees its usual shapes.
-            swap = {i: x.unsqueeze(0) for i, x in zip(ids, example, strict=True)}
+            swap = {
+                i: x if i in flattened else x.unsqueeze(0)
+                for i, x in zip(ids, example, strict=True)
+            }
 
             def leaf(v: Any) -> Any:
                 return swap.get(id(v), v) if isinstance(v, Tensor) else v
@@ -209,9 +223,9 @@ class DiagonalEmpiricalFisherGradientMaker(PreconditionedGradientMaker):
             if hasattr(err, "add_note"):
                 err.add_note(
                     f"(in the per-example pass: the {len(ids)} tensor arguments with "
-                    f"leading dimension {batch} were split into examples; a tensor "
-                    "flattened over the batch, e.g. targets.reshape(-1), is not: pass "
-                    "it batch-shaped and flatten it inside the loss function)"
+                    f"leading dimension {batch}, or a multiple k * {batch} in the "
+                    "loss call (flattened over the batch: k rows per example), were "
+                    "split into examples)"
                 )
             raise
 
@@ -267,6 +281,23 @@ class DiagonalEmpiricalFisherGradientMaker(PreconditionedGradientMaker):
         check_extra_state(state, keys, tensor_maps=keys)
         self.curvature = {k: v.clone() for k, v in state["curvature"].items()}
         self.preconditioner = {k: v.clone() for k, v in state["preconditioner"].items()}
+
+
+def _flattened(loss_args: Any, batch: int, batched: dict) -> dict[int, Tensor]:
+    """Loss-call tensors of leading dimension ``k * batch`` (``k > 1``), viewed as
+    ``(batch, k, ...)``: a ``(B, T)`` tensor flattened to ``(B T,)`` row-major gives
+    example ``n`` rows ``n T .. n T + T - 1``, as the flattened logits do."""
+    out: dict[int, Tensor] = {}
+    for value in leaves(loss_args):
+        if (
+            isinstance(value, Tensor)
+            and value.ndim > 0
+            and id(value) not in batched
+            and value.shape[0] > batch
+            and value.shape[0] % batch == 0
+        ):
+            out[id(value)] = value.reshape(batch, -1, *value.shape[1:])
+    return out
 
 
 def _batch_size(model_call_args: Any) -> int:

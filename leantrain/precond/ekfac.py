@@ -32,9 +32,10 @@ from torch import Tensor, nn
 
 from leantrain.precond._kron import KronFactorMaker, read_canonical, write_canonical
 from leantrain.precond.curv import cholesky_inverse, robust_eigh
+from leantrain.precond.curv._tied import TiedOp
 from leantrain.precond.preconditioned import PreconditioningConfig
 
-__all__ = ["EkfacGradientMaker", "eigenbasis_scaling"]
+__all__ = ["EkfacGradientMaker", "eigenbasis_scaling", "tied_scaling"]
 
 _CHUNK = 1 << 22  # bound on a transient (n, R, U) block of per-example gradients
 
@@ -70,6 +71,17 @@ def eigenbasis_scaling(
     for i in range(0, n, step):
         g = torch.einsum("ntr,ntu->nru", rot_e[i : i + step], rot_a[i : i + step])
         out += g.square().sum(0)
+    return out
+
+
+def tied_scaling(op: TiedOp, data: list, qa: Tensor, qb: Tensor) -> Tensor:
+    r"""``sum_n (Q_B^T G_n Q_A)^2`` for a tied weight: ``G_n`` is the sum of its
+    sites' per-example gradients (``_tied.py``), formed a chunk at a time."""
+    out = None
+    for sl in op.chunks(data):
+        g = op.per_example(data, sl)
+        part = (qb.T.to(g.dtype) @ g @ qa.to(g.dtype)).square().sum(0)
+        out = part if out is None else out + part
     return out
 
 
@@ -150,17 +162,21 @@ class EkfacGradientMaker(KronFactorMaker):
             for data in passes:
                 if name not in data:
                     continue
-                parts = [
-                    eigenbasis_scaling(
-                        site.a,
-                        site.e,
-                        qa.to(site.e.dtype),
-                        qb.to(site.e.dtype),
-                        has_bias=op.has_bias,
-                        ids=isinstance(op.module, nn.Embedding),
-                    )
-                    for site, (qa, qb) in zip(data[name], bases, strict=True)
-                ]
+                if isinstance(op, TiedOp):
+                    (qa, qb), sites = bases[0], data[name]
+                    parts = [tied_scaling(op, sites, qa, qb)]
+                else:
+                    parts = [
+                        eigenbasis_scaling(
+                            site.a,
+                            site.e,
+                            qa.to(site.e.dtype),
+                            qb.to(site.e.dtype),
+                            has_bias=op.has_bias,
+                            ids=isinstance(op.module, nn.Embedding),
+                        )
+                        for site, (qa, qb) in zip(data[name], bases, strict=True)
+                    ]
                 total = (
                     parts
                     if total is None

@@ -41,9 +41,10 @@ from torch import Tensor, nn
 
 from leantrain import evaluation
 from leantrain.precond._checks import check_extra_state
+from leantrain.precond._coverage import check_one_site
 from leantrain.precond._fisher import add_grads
 from leantrain.precond._kron import damped_inverse, read_canonical, write_canonical
-from leantrain.precond.curv.modules import make_op
+from leantrain.precond.curv.modules import is_conv1d, make_op
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
@@ -134,12 +135,24 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         self._before_params: dict[str, Tensor] = {}
         super().__init__(model, config)
         self.ops = {name: make_op(name, m) for name, m in self.modules()}
+        self._warn_tied()
+
+    def _warn_tied(self) -> None:
+        """K-BFGS has no rule for a weight used by several modules: say so."""
+        check_one_site(
+            "KbfgsGradientMaker",
+            unwrap_model(self.model),
+            set(self.ops),
+            warn="K-BFGS has no rule for several sites and preconditions its summed "
+            "gradient with the curvature of {site} alone (K-FAC and EKFAC combine "
+            "the sites)",
+        )
 
     def is_supported(self, module: nn.Module) -> bool:
-        """Linear (and subclasses) and Conv2d layers with trainable parameters."""
-        return isinstance(module, (nn.Linear, nn.Conv2d)) and any(
-            p.requires_grad for p in module.parameters(recurse=False)
-        )
+        """Linear (and subclasses), Conv2d and Hugging Face ``Conv1D`` layers with
+        trainable parameters."""
+        layer = isinstance(module, (nn.Linear, nn.Conv2d)) or is_conv1d(module)
+        return layer and any(p.requires_grad for p in module.parameters(recurse=False))
 
     # -- capture ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -248,11 +261,7 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         inner = unwrap_model(self.model)
         names = {id(p): n for n, p in inner.named_parameters()}
         before = self._before_params
-        w = before[names[id(op.params[0])]]
-        w = w.reshape(w.shape[0], -1)
-        if len(op.params) == 2:
-            w = torch.cat([w, before[names[id(op.params[1])]].unsqueeze(1)], 1)
-        return w
+        return op.to_canonical([before[names[id(p)]] for p in op.params])
 
     def update_preconditioner(self) -> None:
         """``(A + sqrt(λ) I)^{-1}`` per layer (``H_B`` is already an inverse)."""
@@ -296,8 +305,5 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
 
 
 def _read_weight(op: Any) -> Tensor:
-    """``[W, b]`` of a Linear / Conv2d op as a ``(R, U)`` matrix (current values)."""
-    w = op.params[0].detach().reshape(op.params[0].shape[0], -1)
-    if len(op.params) == 2:
-        w = torch.cat([w, op.params[1].detach().unsqueeze(1)], 1)
-    return w
+    """``[W, b]`` of a layer's op as a ``(R, U)`` matrix (current values)."""
+    return op.to_canonical([p.detach() for p in op.params])

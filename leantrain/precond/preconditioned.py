@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from leantrain.precond._checks import check_int
+from leantrain.precond._coverage import Coverage, coverage_of, warn_uncovered
 from leantrain.precond._denormal import denormals_flushed
 from leantrain.precond._schedule import PreconditioningConfig, is_due
 from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
@@ -140,6 +141,15 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
             )
         for name, module in self.modules():
             _check_preconditionable(name or "<root>", module)
+        warn_uncovered(type(self).__name__, self.coverage())
+
+    def coverage(self) -> Coverage:
+        """What this maker preconditions: every module owning trainable parameters
+        as covered, not covered (supported by no rule here: plain gradient) or
+        ignored (by ``config.ignore_modules``), with its parameter count."""
+        selected = {name for name, _ in self.modules()}
+        not_ignored = {name for name, _ in self._walk(supported_only=False)}
+        return coverage_of(unwrap_model(self.model), selected, not_ignored)
 
     # -- what subclasses define ---------------------------------------------------
     @abc.abstractmethod
@@ -184,6 +194,10 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         or an instance of an ignored class, or if its name contains an ignored
         substring.
         """
+        yield from self._walk(supported_only=True)
+
+    def _walk(self, *, supported_only: bool) -> Iterator[tuple[str, nn.Module]]:
+        """The modules not ignored by the config (supported ones only, or all)."""
         entries = self.config.ignore_modules
         names = [e for e in entries if isinstance(e, str)]
         types = tuple(e for e in entries if isinstance(e, type))
@@ -200,7 +214,7 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
                 or isinstance(module, types)
                 or any(s in name for s in names)
             )
-            if not ignored and self.is_supported(module):
+            if not ignored and (not supported_only or self.is_supported(module)):
                 yield name, module
             for child_name, child in module.named_children():
                 yield from walk(

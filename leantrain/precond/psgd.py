@@ -42,9 +42,11 @@ import torch
 from torch import Tensor, nn
 from torch.linalg import solve_triangular
 
+from leantrain.precond._autograd_maker import twice_differentiable
 from leantrain.precond._checks import check_extra_state
+from leantrain.precond._coverage import check_one_site
 from leantrain.precond._kron import read_canonical, write_canonical
-from leantrain.precond.curv.modules import make_op
+from leantrain.precond.curv.modules import is_conv1d, make_op
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
@@ -150,6 +152,11 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
         self._pairs: dict[str, tuple[Tensor, Tensor]] = {}
         super().__init__(model, config)
         self.ops = {name: make_op(name, m) for name, m in self.modules()}
+        # Fitted on Hessian-vector products of the whole parameter, a tied weight
+        # needs no rule here; two of its modules would precondition it twice.
+        check_one_site(
+            "PsgdGradientMaker", unwrap_model(model), set(self.ops), warn=None
+        )
         for name, op in self.ops.items():
             rows, cols = op.canon_index.shape
             scale = init_scale**0.25
@@ -164,10 +171,10 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
         self._refresh_products()
 
     def is_supported(self, module: nn.Module) -> bool:
-        """Linear (and subclasses) and Conv2d layers with trainable parameters."""
-        return isinstance(module, (nn.Linear, nn.Conv2d)) and any(
-            p.requires_grad for p in module.parameters(recurse=False)
-        )
+        """Linear (and subclasses), Conv2d and Hugging Face ``Conv1D`` layers with
+        trainable parameters."""
+        layer = isinstance(module, (nn.Linear, nn.Conv2d)) or is_conv1d(module)
+        return layer and any(p.requires_grad for p in module.parameters(recurse=False))
 
     def _probes(self) -> dict[str, Tensor]:
         return {
@@ -191,7 +198,7 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
         if isinstance(fn, nn.Module) and unwrap_model(fn) is inner:
             fn = inner  # bypass DDP: double backward; we average ourselves
         params = [p for p in inner.parameters() if p.requires_grad]
-        with torch.enable_grad():
+        with torch.enable_grad(), twice_differentiable():
             output = self._call_model(fn)
             loss = self._loss_from_output(output)
             grads = torch.autograd.grad(
@@ -201,14 +208,12 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
             probes = self._probes()
             sel_params, sel_grads, tangents = [], [], []
             for name, op in self.ops.items():
-                cols = op.params[0][0].numel()
-                v = probes[name]
-                pieces = [v[:, :cols]] + ([v[:, -1]] if len(op.params) == 2 else [])
+                pieces = op.from_canonical(probes[name])
                 for p, piece in zip(op.params, pieces, strict=True):
                     if by_id[id(p)] is not None:
                         sel_params.append(p)
                         sel_grads.append(by_id[id(p)])
-                        tangents.append(piece.reshape(p.shape).to(p.dtype))
+                        tangents.append(piece.to(p.dtype))
             hvps = torch.autograd.grad(
                 sel_grads, sel_params, tangents, allow_unused=True
             )
@@ -230,9 +235,7 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
         for name, op in self.ops.items():
             if not all(id(p) in hv_by_id for p in op.params):
                 continue
-            w = hv_by_id[id(op.params[0])].reshape(op.canon_index.shape[0], -1)
-            if len(op.params) == 2:
-                w = torch.cat([w, hv_by_id[id(op.params[1])].unsqueeze(1)], 1)
+            w = op.to_canonical([hv_by_id[id(p)] for p in op.params])
             self._pairs[name] = (probes[name], w)
         return output, loss.detach()
 

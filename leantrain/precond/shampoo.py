@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._checks import check_extra_state, check_int
+from leantrain.precond._coverage import shared_parameters
 from leantrain.precond._factored import LinearCapture
 from leantrain.precond.curv import robust_eigh
 from leantrain.precond.gradient_maker import unwrap_model
@@ -114,21 +115,30 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         super().__init__(model, config)
         # Resolved once: walking the module tree every step costs more than the
         # preconditioning of a small layer.
-        self._params = {
-            f"{name}.{pname}" if name else pname: p
-            for name, module in self.modules()
-            for pname, p in module.named_parameters(recurse=False)
-            if p.requires_grad
-        }
+        # A parameter shared by several modules (tied weights) is preconditioned
+        # once, under its first name: Shampoo's statistics are of the gradient
+        # itself, the sum over the modules that use it, so no tying rule is needed.
+        self._params = {}
+        seen: set[int] = set()
+        for name, module in self.modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self._params[f"{name}.{pname}" if name else pname] = p
         # Between curvature steps a wide nn.Linear skips its weight gradient: its
         # preconditioned weight gradient is formed as (L^{-1/4} E^T)(X R^{-1/4}) from
         # the output-gradients E and inputs X (see _factored.factored_is_cheaper).
+        inner = unwrap_model(model)
+        shared = shared_parameters(inner)
+        tied = {id(p) for pname, p in inner.named_parameters() if pname in shared}
         self._capture = LinearCapture(
             {
                 name: module
                 for name, module in self.modules()
                 if type(module) is nn.Linear
                 and module.weight.requires_grad
+                # A tied weight's gradient also comes from its other modules.
+                and id(module.weight) not in tied
                 and max(module.weight.shape) <= block_size
             },
             bias_column=False,

@@ -52,10 +52,39 @@ class ModuleOp:
         self.numel = sum(p.numel() for p in self.params)
         self.canon_index = torch.empty(0, 0, dtype=torch.long)
 
+    # -- layout --------------------------------------------------------------------
+    def to_canonical(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Tensors shaped like :attr:`params` (values, gradients) as canonical
+        ``(R, U)``."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return flat[self.canon_index]
+
+    def from_canonical(self, canon: torch.Tensor) -> list[torch.Tensor]:
+        """A canonical ``(R, U)`` matrix as tensors shaped like :attr:`params`."""
+        flat = canon.new_empty(self.numel)
+        flat[self.canon_index.reshape(-1)] = canon.reshape(-1)
+        return [
+            piece.reshape(p.shape)
+            for p, piece in zip(
+                self.params, flat.split([p.numel() for p in self.params]), strict=True
+            )
+        ]
+
     # -- capture -----------------------------------------------------------------
     def record(self, args: tuple, output: object) -> tuple[dict, list[torch.Tensor]]:
         """Return the forward features and the tensors whose gradients are needed."""
         raise NotImplementedError
+
+    def record_module(
+        self, module: nn.Module, args: tuple, output: object
+    ) -> tuple[dict, list[torch.Tensor]]:
+        """:meth:`record` for a call of ``module`` (an op spanning several modules,
+        such as tied weights, dispatches on it)."""
+        return self.record(args, output)
+
+    def hooked_modules(self) -> list[nn.Module]:
+        """The modules whose forward this op records."""
+        return [self.module]
 
     def grad_feature(self, slot: int, grad: torch.Tensor) -> torch.Tensor:
         """Reshape the gradient of hooked tensor ``slot`` to ``(N, T, ·)``."""

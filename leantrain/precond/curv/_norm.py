@@ -1,4 +1,5 @@
-"""Elementwise-affine ops: LayerNorm, BatchNorm (a unit is ``[gamma_i, beta_i]``)."""
+"""Elementwise-affine ops: LayerNorm, BatchNorm, RMSNorm (a unit is
+``[gamma_i, beta_i]``, or ``[gamma_i]`` without a shift)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,28 @@ from torch import nn
 
 from ._base import ModuleOp, Site, _acc, _batch
 
-__all__ = ["BatchNormOp", "ElementwiseAffineOp", "LayerNormOp"]
+__all__ = [
+    "BatchNormOp",
+    "ElementwiseAffineOp",
+    "LayerNormOp",
+    "RMSNormOp",
+    "is_rms_norm",
+]
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """``nn.RMSNorm``, or a Hugging Face ``*RMSNorm`` of the Llama form
+    (``weight * x / rms(x)``, a ``variance_epsilon``, no bias)."""
+    if isinstance(module, getattr(nn, "RMSNorm", ())):
+        return module.weight is not None
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and hasattr(module, "variance_epsilon")
+        and isinstance(weight, nn.Parameter)
+        and weight.dim() == 1
+        and getattr(module, "bias", None) is None
+    )
 
 
 class ElementwiseAffineOp(ModuleOp):
@@ -114,4 +136,53 @@ class BatchNormOp(ElementwiseAffineOp):
             momentum=0.0,
             eps=m.eps,
         )
+        return {"xhat": self._layout(xhat)}, [output]
+
+
+class RMSNormOp(ElementwiseAffineOp):
+    r"""``y = \gamma \odot x / \mathrm{rms}(x)`` over the last dim; a unit is
+    ``[\gamma_i]``.
+
+    ``x̂ = x / rms(x)`` is read back from the output (``y / γ``, exact to rounding,
+    whatever precision the module normalises in) and, on the first call, checked
+    against a normalisation computed here: a module named ``*RMSNorm`` that
+    computes something else (e.g. ``(1 + γ) x̂``) raises instead of being
+    preconditioned with the wrong gradient.
+    """
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__(name, module)
+        self._setup(module.weight.numel(), False)
+        self._checked = False
+
+    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1, self.size)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if isinstance(m, getattr(nn, "RMSNorm", ())):
+            return F.rms_norm(_acc(x), m.normalized_shape, None, m.eps)
+        xf = x.detach().float()  # the Llama form normalises in float32
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+        return _acc(xf.to(x.dtype))
+
+    def record(self, args: tuple, output: torch.Tensor) -> tuple[dict, list]:
+        x = args[0]
+        _batch(x, self.name, 2)
+        gamma = self.module.weight.detach()
+        out = _acc(output.detach())
+        if bool((gamma.abs() > 1e-6).all()):
+            xhat = out / gamma.to(out.dtype)
+            if not self._checked:
+                ref = self._normalize(x).to(out.dtype)
+                err = float((xhat - ref).abs().max())
+                if err > 1e-3 * (1.0 + float(ref.abs().max())):
+                    raise ValueError(
+                        f"module {self.name!r} ({type(self.module).__name__}): its "
+                        "output is not weight * x / rms(x), the RMSNorm form the "
+                        "curvature here assumes; list it in ignore_modules"
+                    )
+                self._checked = True
+        else:  # a (near) zero γ loses x̂ in y: normalize again
+            xhat = self._normalize(x).to(out.dtype)
         return {"xhat": self._layout(xhat)}, [output]

@@ -3,8 +3,8 @@
 :func:`resolve_ignored` turns ``ignore_modules`` (instances, classes or names) into
 the set of module names to skip; :func:`build_ops` makes one
 :class:`~leantrain.precond.curv.modules.ModuleOp` per remaining module that owns
-trainable parameters, refusing partially frozen modules and tied weights (whose
-curvature one op cannot own).
+trainable parameters, refusing partially frozen modules; modules sharing a
+parameter (tied weights) become one :class:`~._tied.TiedOp`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from ._tied import TiedOp
 from .modules import BatchNormOp, ModuleOp, make_op
 
 __all__ = ["build_ops", "resolve_ignored"]
@@ -62,7 +63,8 @@ def build_ops(
 ) -> dict[str, ModuleOp]:
     """One op per non-ignored module owning trainable parameters."""
     ops: dict[str, ModuleOp] = {}
-    owner: dict[int, str] = {}
+    owner: dict[int, str] = {}  # parameter id -> the first module owning it
+    tied: dict[str, list[str]] = {}  # first owner -> every module sharing with it
     for name, module in model.named_modules():
         if name in ignored or name in ops:
             continue
@@ -76,15 +78,33 @@ def build_ops(
                 f"module {name!r} is partially frozen (requires_grad=False: {frozen}); "
                 "freeze all its parameters or list it in ignore_modules"
             )
+        shared = {owner[id(p)] for _, p in direct if id(p) in owner}
         for _, p in direct:
-            if id(p) in owner and owner[id(p)] != name:
-                raise ValueError(
-                    f"modules {owner[id(p)]!r} and {name!r} share a parameter (tied "
-                    "weights); list one of them in ignore_modules"
-                )
-            owner[id(p)] = name
+            owner.setdefault(id(p), name)
         op = make_op(name, module)
         if isinstance(op, BatchNormOp):
             op.allow_batch_coupling = allow_batch_coupling
         ops[name] = op
-    return ops
+        for first in shared:
+            tied.setdefault(first, [first]).append(name)
+    return _tie(ops, tied)
+
+
+def _tie(ops: dict[str, ModuleOp], tied: dict[str, list[str]]) -> dict[str, ModuleOp]:
+    """Replace the ops of modules sharing a parameter by one :class:`TiedOp`,
+    under the first module's name (see ``_tied.py``)."""
+    if not tied:
+        return ops
+    groups: dict[str, list[str]] = {}
+    for first, names in tied.items():
+        root = next((g for g, ns in groups.items() if first in ns), first)
+        members = groups.setdefault(root, [root])
+        members += [n for n in names if n not in members]
+    out: dict[str, ModuleOp] = {}
+    merged = {n for names in groups.values() for n in names}
+    for name, op in ops.items():
+        if name in groups:
+            out[name] = TiedOp(name, [ops[n] for n in groups[name]])
+        elif name not in merged:
+            out[name] = op
+    return out

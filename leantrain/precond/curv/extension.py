@@ -40,6 +40,7 @@ from leantrain import evaluation
 
 from ._mha import mha_forward
 from ._selection import build_ops, resolve_ignored
+from ._tied import TiedOp
 
 __all__ = ["SHAPES", "CurvatureCollector", "check_shape", "resolve_ignored"]
 
@@ -138,9 +139,10 @@ class CurvatureCollector:
             if name in self._mha:
                 continue
             hook = partial(self._on_forward, name)
-            self._handles.append(
-                op.module.register_forward_hook(hook, with_kwargs=True)
-            )
+            for module in op.hooked_modules():
+                self._handles.append(
+                    module.register_forward_hook(hook, with_kwargs=True)
+                )
         return self
 
     def detach(self) -> None:
@@ -162,19 +164,28 @@ class CurvatureCollector:
         self._outputs: list[tuple] = []
         self._acc: dict[str, dict] = {name: {} for name in self.ops}
         self._full: torch.Tensor | None = None
+        # Largest leading dimension a tracked module's input had in this forward:
+        # the batch that a broadcast (size-1) embedding input is expanded to.
+        self._batch_seen = 0
         self.n_passes = 0
         self._checked = False
         self._detached = False  # a call was recorded in a detached evaluation
 
     # -- hooks -------------------------------------------------------------------
-    def _record(self, name: str, args: tuple, output: object) -> None:
+    def _record(
+        self, name: str, args: tuple, output: object, module: nn.Module | None = None
+    ) -> None:
         if not torch.is_grad_enabled() or evaluation.is_auxiliary():
             return
         if evaluation.in_detached():
             # autograd.grad from the output cannot ask for these tensors: their
             # gradient arrives only through the hooks (see backward_pass).
             self._detached = True
-        feats, tensors = self.ops[name].record(args, output)
+        op = self.ops[name]
+        if module is None:
+            feats, tensors = op.record(args, output)
+        else:
+            feats, tensors = op.record_module(module, args, output)
         call = (feats, [None] * len(tensors))
         self._calls[name].append(call)
         for slot, tensor in enumerate(tensors):
@@ -185,7 +196,15 @@ class CurvatureCollector:
     def _on_forward(self, name, module, args, kwargs, output):
         if not args:  # input passed by keyword, e.g. linear(input=x)
             args = tuple(kwargs.values())
-        self._record(name, args, output)
+        if not torch.is_grad_enabled():
+            return None
+        expanded = broadcast_embedding(module, args, output, self._batch_seen)
+        if expanded is not None:
+            args, output = expanded
+        elif args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+            self._batch_seen = max(self._batch_seen, int(args[0].shape[0]))
+        self._record(name, args, output, module)
+        return output if expanded is not None else None
 
     def _on_mha_forward(self, name, module, args, kwargs, output):
         if evaluation.is_auxiliary():
@@ -374,6 +393,8 @@ class CurvatureCollector:
                 stats["A"] = op.kron_a(calls)
                 stats["rows"] = op.site_rows(calls)
                 stats["B"] = [stats.pop(f"B{i}", None) for i in range(len(stats["A"]))]
+                if isinstance(op, TiedOp):
+                    stats = op.finish_kron(stats)
             out[name] = stats
         return out
 
@@ -381,6 +402,29 @@ class CurvatureCollector:
     def full(self) -> torch.Tensor | None:
         """The accumulated ``(P, P)`` matrix over ``self.params`` ("full" shape)."""
         return self._full
+
+
+def broadcast_embedding(
+    module: nn.Module, args: tuple, output: object, batch: int
+) -> tuple[tuple, torch.Tensor] | None:
+    """Expand an ``nn.Embedding`` call on ids broadcast over the batch.
+
+    Position ids of shape ``(1, T)`` give a ``(1, T, d)`` output that the model adds
+    to ``(N, T, d)`` token embeddings; its gradient would be summed over the batch,
+    so per-example statistics could not be read from it. When a batch ``N > 1`` was
+    seen earlier in the forward, the ids and the output are expanded to ``N`` (the
+    model computes the same values; the gradient of example ``n`` then flows
+    through copy ``n``). Returns the expanded ``(args, output)``, or ``None``.
+    """
+    if not isinstance(module, nn.Embedding) or batch <= 1 or not args:
+        return None
+    ids = args[0]
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[0] != 1:
+        return None
+    if not isinstance(output, torch.Tensor):
+        return None
+    ids = ids.expand(batch, *ids.shape[1:])
+    return (ids, *args[1:]), output.expand(batch, *output.shape[1:])
 
 
 def _add(acc: dict, key: str, value: torch.Tensor) -> None:

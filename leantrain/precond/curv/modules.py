@@ -19,7 +19,10 @@ subclasses (input ``(N, *, in)``: ``T`` = product of the middle dims), ``nn.Conv
 (``a_t`` = im2col patch, ``T`` = output pixels), ``nn.Embedding`` (``a_t`` one-hot,
 ``W`` = weight transposed: a unit is an embedding *dimension*), the packed
 ``in_proj`` of ``nn.MultiheadAttention`` (three row blocks q, k, v with their own
-inputs). Elementwise-affine modules (``y = \gamma \hat x + \beta``): ``nn.LayerNorm``,
+inputs), Hugging Face ``Conv1D`` (``nn.Linear`` with the weight stored
+transposed, ``_conv1d.py``). Elementwise-affine modules
+(``y = \gamma \hat x + \beta``): ``nn.LayerNorm``, RMSNorm (``nn.RMSNorm`` and
+the Hugging Face Llama form, no ``\beta``),
 ``nn.BatchNorm1d/2d`` (a unit is one feature / channel: ``[\gamma_i, \beta_i]``).
 """
 
@@ -31,9 +34,10 @@ from torch import nn
 
 from ._base import ModuleOp, Site, _acc, _batch
 from ._conv import LazyFeats, LazySite, canonical_order, kernel_major_patches
+from ._conv1d import Conv1dOp, is_conv1d
 from ._linear_form import LinearFormOp, _cat, gram
 from ._mha import check_mha_supported
-from ._norm import BatchNormOp, LayerNormOp
+from ._norm import BatchNormOp, LayerNormOp, RMSNormOp, is_rms_norm
 
 __all__ = [
     "SUPPORTED_MODULES",
@@ -41,6 +45,8 @@ __all__ = [
     "LinearFormOp",
     "ModuleOp",
     "Site",
+    "is_conv1d",
+    "is_supported_module",
     "make_op",
 ]
 
@@ -53,6 +59,17 @@ SUPPORTED_MODULES = (
     nn.BatchNorm2d,
     nn.MultiheadAttention,
 )
+
+
+def is_supported_module(module: nn.Module) -> bool:
+    """Whether :func:`make_op` has an op for ``module``'s type: the
+    :data:`SUPPORTED_MODULES`, Hugging Face ``Conv1D`` (see ``_conv1d.py``) and
+    RMSNorm (``nn.RMSNorm`` and the Llama form, see ``_norm.py``)."""
+    return (
+        isinstance(module, SUPPORTED_MODULES)
+        or is_conv1d(module)
+        or is_rms_norm(module)
+    )
 
 
 class LinearOp(LinearFormOp):
@@ -284,7 +301,12 @@ def make_op(name: str, module: nn.Module) -> ModuleOp:
         return BatchNormOp(name, module)
     if isinstance(module, nn.MultiheadAttention):
         return MultiheadAttentionOp(name, module)
-    allowed = ", ".join(c.__name__ for c in SUPPORTED_MODULES)
+    if is_conv1d(module):
+        return Conv1dOp(name, module)
+    if is_rms_norm(module):
+        return RMSNormOp(name, module)
+    extra = ["Conv1D (HF)", "RMSNorm"]
+    allowed = ", ".join([c.__name__ for c in SUPPORTED_MODULES] + extra)
     raise ValueError(
         f"module {name!r} of type {type(module).__name__} has parameters but is not "
         f"supported; allowed: {allowed} (or list it in ignore_modules)"
