@@ -163,7 +163,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 "(use the gradient maker's forward_and_backward, which averages them)."
             )
         root = unwrap_model(maker.model)
-        if getattr(root, "is_gradient_checkpointing", False):
+        checkpointing = getattr(root, "is_activation_checkpointing", None)
+        if checkpointing is None:  # transformers before 5
+            checkpointing = getattr(root, "is_gradient_checkpointing", False)
+        if checkpointing:
             raise NotImplementedError(
                 "gradient checkpointing re-runs the forward inside the backward, "
                 "which the hooks would record twice; disable it "
