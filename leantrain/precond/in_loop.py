@@ -323,6 +323,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         state = dict(state_dict)
         self.maker.load_state_dict(state.pop("preconditioner"))
         self.optimizer.load_state_dict(state)
+        if self._recorder is not None:  # calls recorded before belong to no step
+            self._recorder.stop()
         self._arm()
 
     def close(self) -> None:

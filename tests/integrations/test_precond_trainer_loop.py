@@ -41,8 +41,8 @@ METHODS = {
 }
 
 
-def llama():
-    return tiny_llama(dtype=torch.float64, tied=False)
+def llama(seed: int = 0):
+    return tiny_llama(dtype=torch.float64, tied=False, seed=seed)
 
 
 def record_batches(model) -> list[dict[str, torch.Tensor]]:
@@ -138,6 +138,52 @@ def test_hf_trainer_equals_gradient_maker(case, accumulate, tmp_path):
     reference(ref, method, config, kwargs, steps)
     assert_same_parameters(model, ref)
     assert_trained(model, initial)
+
+
+def _trainer(model, opt, out, steps: int) -> transformers.Trainer:
+    """Four steps' worth of data (the same shuffle for every run), a checkpoint
+    every two steps."""
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=POSITIONS // SEQ,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    return transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=_Tokens(4 * POSITIONS // SEQ),
+        optimizers=(opt, None),
+    )
+
+
+def test_hf_trainer_resume_restores_the_curvature(tmp_path):
+    # Resuming from the step-2 checkpoint reproduces the uninterrupted run: the
+    # checkpoint's optimizer state carries the factors, the EMA and the counters.
+    method, config, kwargs = METHODS["kfac-emp"]
+
+    def wrapped(model):
+        sgd = torch.optim.SGD(model.parameters(), lr=LR)
+        return precondition_in_loop(sgd, model, method, config=config, **kwargs)
+
+    full = llama()
+    _trainer(full, wrapped(full), tmp_path / "full", 4).train()
+    first = llama()
+    _trainer(first, wrapped(first), tmp_path / "cut", 2).train()
+    resumed = llama(seed=1)  # other weights: the checkpoint must restore them
+    opt = wrapped(resumed)
+    trainer = _trainer(resumed, opt, tmp_path / "cut", 4)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    assert (opt.maker.step, opt.maker.curvature_updates) == (4, 3)  # steps 0, 1, 3
+    assert_same_parameters(resumed, full)
 
 
 class _LitLM(lightning.LightningModule):
