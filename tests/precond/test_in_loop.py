@@ -317,3 +317,50 @@ def test_step_without_a_recorded_forward_raises():
     lm_loss(logits, t).backward()
     with pytest.raises(RuntimeError, match="no call of the model"):
         opt.step()
+
+
+def test_non_finite_step_discards_its_curvature():
+    # As the maker: a NaN gradient on a curvature step leaves factors, EMA and
+    # inverses as they were, warns once and counts the step.
+    model = tiny_gpt()
+    config = {"damping": 1e-2, "ema_decay": 0.8, **IGNORE}
+    opt = precondition_in_loop(
+        torch.optim.SGD(model.parameters(), lr=0.0), model, "kfac", config=config
+    )
+    (x, t), (x2, t2) = batches(2)
+    lm_loss(model(x), t).backward()
+    opt.step()
+    before = copy.deepcopy(opt.maker.state_dict())
+    opt.zero_grad()
+    (lm_loss(model(x2), t2) * float("nan")).backward()
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    after = opt.maker.state_dict()
+    assert opt.maker.skipped_curvature_updates == 1
+    assert after["curvature_updates"] == before["curvature_updates"] == 1
+    assert after["step"] == 2
+    for key, value in before["extra"]["factors"].items():
+        torch.testing.assert_close(after["extra"]["factors"][key], value)
+
+
+def test_gefen_applies_the_preconditioned_gradient():
+    # Any optimizer can be wrapped: Gefen steps with the maker's gradient.
+    from leantrain.optim import Gefen
+
+    model, data = tiny_gpt(), batches(3)
+    ref = copy.deepcopy(model)
+    gm = make_gradient_maker("shampoo", ref)
+    ref_opt = Gefen(ref.parameters(), lr=1e-2)
+    opt = precondition_in_loop(Gefen(model.parameters(), lr=1e-2), model, "shampoo")
+    for x, t in data:
+        ref_opt.zero_grad()
+        y = gm.setup_model_call(ref, x)
+        gm.setup_loss_call(lm_loss, y, t)
+        gm.forward_and_backward()
+        ref_opt.step()
+        opt.zero_grad()
+        lm_loss(model(x), t).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
+    assert not torch.equal(model.lm_head.weight, tiny_gpt().lm_head.weight)
