@@ -170,7 +170,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             raise NotImplementedError(
                 "gradient checkpointing re-runs the forward inside the backward, "
                 "which the hooks would record twice; disable it "
-                "(model.gradient_checkpointing_disable())."
+                "(model.activation_checkpointing_disable() in transformers)."
             )
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for module_name, module in maker.modules():

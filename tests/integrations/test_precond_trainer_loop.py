@@ -247,3 +247,13 @@ def test_lightning_equals_gradient_maker(case, manual, accumulate):
     reference(ref, method, config, kwargs, steps)
     assert_same_parameters(net, ref)
     assert_trained(net, initial)
+
+
+def test_activation_checkpointing_is_refused():
+    model = llama()
+    model.activation_checkpointing_enable()
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(NotImplementedError, match="checkpointing"):
+        precondition_in_loop(sgd, model, "kfac")
+    model.activation_checkpointing_disable()
+    assert precondition_in_loop(sgd, model, "kfac").maker.step == 0
