@@ -257,3 +257,40 @@ def test_activation_checkpointing_is_refused():
         precondition_in_loop(sgd, model, "kfac")
     model.activation_checkpointing_disable()
     assert precondition_in_loop(sgd, model, "kfac").maker.step == 0
+
+
+def test_lightning_checkpoint_restores_the_curvature(tmp_path):
+    # Two steps, a checkpoint, two more from it in a fresh process-like setup: the
+    # maker on the four recorded batches gives the same parameters, so the
+    # checkpoint carried the factors, the EMA and the counters.
+    method, config, kwargs = METHODS["kfac-emp"]
+    ids = token_batch(4, SEQ, seed=4)
+
+    def fit(net, ckpt_path=None):
+        module = _LitLM(net, method, config, kwargs, manual=False)
+        trainer = lightning.Trainer(
+            max_steps=2 if ckpt_path is None else 4,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        loader = torch.utils.data.DataLoader(ids, batch_size=POSITIONS // SEQ)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return trainer
+
+    first = llama()
+    initial = copy.deepcopy(first)
+    seen = record_batches(first)
+    fit(first).save_checkpoint(tmp_path / "two.ckpt")
+    resumed = llama(seed=1)  # other weights: the checkpoint must restore them
+    seen_after = record_batches(resumed)
+    trainer = fit(resumed, ckpt_path=tmp_path / "two.ckpt")
+    maker = trainer.optimizers[0].maker
+    assert (maker.step, maker.curvature_updates) == (4, 3)  # steps 0, 1, 3
+    assert len(seen) == len(seen_after) == 2
+    ref = copy.deepcopy(initial)
+    reference(ref, method, config, kwargs, [[b] for b in seen + seen_after])
+    assert_same_parameters(resumed, ref)
