@@ -17,6 +17,11 @@ from leantrain.precond.diagonal_fisher import DiagonalEmpiricalFisherGradientMak
 from leantrain.precond.ekfac import EkfacGradientMaker
 from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
 from leantrain.precond.hessian_free import HessianFreeGradientMaker
+from leantrain.precond.in_loop import (
+    IN_LOOP_METHODS,
+    PreconditionedOptimizer,
+    precondition_in_loop,
+)
 from leantrain.precond.kbfgs import KbfgsGradientMaker
 from leantrain.precond.kfac import KfacGradientMaker
 from leantrain.precond.natural_gradient import NaturalGradientMaker
@@ -34,6 +39,7 @@ from leantrain.precond.smw_ng import SmwNgGradientMaker
 from leantrain.precond.stand_in import StandIn
 
 __all__ = [
+    "IN_LOOP_METHODS",
     "KINDS",
     "PRECOND_METHODS",
     "SHAPES",
@@ -49,6 +55,7 @@ __all__ = [
     "NaturalGradientMaker",
     "NewtonGradientMaker",
     "PreconditionedGradientMaker",
+    "PreconditionedOptimizer",
     "PreconditioningConfig",
     "PsgdGradientMaker",
     "SengGradientMaker",
@@ -58,5 +65,6 @@ __all__ = [
     "curvature",
     "is_due",
     "make_gradient_maker",
+    "precondition_in_loop",
     "unwrap_model",
 ]

@@ -1,0 +1,391 @@
+r"""Preconditioning inside a loop that runs its own forward and ``loss.backward()``.
+
+A gradient maker owns forward and backward; HF ``Trainer`` and Lightning own them
+too. :class:`PreconditionedOptimizer` wraps the optimizer the trainer steps instead:
+the maker's curvature is recorded by module hooks during the trainer's ordinary
+forward and backward (see :mod:`leantrain.precond._loop_record`), and ``step()``
+runs what the maker's ``forward_and_backward()`` runs after its pass (the due
+curvature and preconditioner updates, then the preconditioning of ``.grad``) before
+the wrapped optimizer's step. On the same batches the result is the maker's.
+
+Which makers work this way (:data:`IN_LOOP_METHODS`): those whose statistics come
+from one forward and one backward of the user's loss. Makers that must run the model
+themselves (second-order backward, a replay at other parameters, per-example
+``vmap``) are refused with the reason (:data:`REFUSED_IN_LOOP`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from leantrain.precond._denormal import denormals_flushed
+from leantrain.precond._hooked import HookedMaker
+from leantrain.precond._kron import KronFactorMaker
+from leantrain.precond._loop_record import LoopRecorder
+from leantrain.precond.gradient_maker import unwrap_model
+from leantrain.precond.preconditioned import PreconditionedGradientMaker, all_finite
+from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
+from leantrain.precond.shampoo import ShampooGradientMaker
+
+__all__ = [
+    "IN_LOOP_METHODS",
+    "REFUSED_IN_LOOP",
+    "PreconditionedOptimizer",
+    "precondition_in_loop",
+]
+
+# Registered method -> how its statistics are obtained inside the user's loop.
+IN_LOOP_METHODS: dict[str, str] = {
+    "kfac": "module hooks (inputs; output-gradients of the backward or of the "
+    "Fisher vectors)",
+    "kfac_10": "as kfac",
+    "ekfac": "as kfac",
+    "shampoo": "the gradient in .grad at step()",
+    "shampoo_10": "as shampoo",
+    **{f"ng_{s}": "as kfac" for s in ("full", "layer", "unit", "diag")},
+    "smw_ng": "as kfac (one micro-batch per step)",
+    "seng": "as kfac (one micro-batch per step)",
+}
+
+# Maker class name -> why it cannot run inside someone else's loop.
+REFUSED_IN_LOOP: dict[str, str] = {
+    "PsgdGradientMaker": "it needs Hessian-vector products, a second-order "
+    "backward through the loss's graph, which the loop's loss.backward() frees",
+    "KbfgsGradientMaker": "it runs a second forward and backward on the same batch "
+    "at the previous step's parameters",
+    "HessianFreeGradientMaker": "its conjugate gradient needs curvature-vector "
+    "products of the batch, many backward passes through the model after the loss",
+    "NewtonGradientMaker": "it builds the Hessian by a second-order backward "
+    "through the loss's graph",
+    "DiagonalEmpiricalFisherGradientMaker": "its per-example gradients come from "
+    "vmapping the model call itself; the diagonal empirical Fisher from hooks is "
+    "NaturalGradientMaker(shape='diag', fisher_type='fisher_emp')",
+}
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class PreconditionedOptimizer(torch.optim.Optimizer):
+    """An optimizer that preconditions ``.grad`` with a gradient maker, then steps.
+
+    Use it where the loop calls ``loss.backward()`` and ``optimizer.step()`` itself
+    (HF ``Trainer(optimizers=(wrapped, None))``, Lightning ``configure_optimizers``,
+    a plain loop). ``param_groups``, ``state`` and ``defaults`` are the wrapped
+    optimizer's, so learning-rate schedulers, gradient clipping and
+    ``zero_grad`` act on it. ``step(closure)`` first runs the closure (forward and
+    backward, as Lightning's automatic optimization passes it). ``state_dict()`` is
+    the wrapped optimizer's with the maker's curvature state under
+    ``"preconditioner"``.
+
+    Each step follows the maker's schedule (``config``): on curvature steps the
+    hooks record the model calls since the last step; every call with gradients is
+    one micro-batch. With gradient accumulation the losses of the micro-batches must
+    sum to the mean loss over their union (what HF ``Trainer`` and Lightning's
+    ``accumulate_grad_batches`` do); the statistics are then those of the union
+    batch. Whatever the trainer does to ``.grad`` before ``step()`` (clipping,
+    unscaling) happens before the preconditioning; fp16 loss scaling would also
+    scale the recorded output-gradients and is not compensated.
+
+    Args:
+        optimizer: the optimizer that applies the preconditioned gradient.
+        maker: a preconditioned gradient maker on the module whose call returns the
+            logits (see :data:`IN_LOOP_METHODS`); its ``setup_*`` calls are not
+            used.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or ``maker`` is
+            not a preconditioned gradient maker.
+        ValueError: the maker's method cannot run inside a loop (the message says
+            why), or a parameter the maker preconditions is not in the optimizer.
+        NotImplementedError: more than one process, or gradient checkpointing.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from leantrain.precond import KfacGradientMaker, PreconditionedOptimizer
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 3))
+        >>> opt = PreconditionedOptimizer(
+        ...     torch.optim.SGD(model.parameters(), lr=0.1),
+        ...     KfacGradientMaker(model, fisher_type="fisher_emp"))
+        >>> x, t = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> F.cross_entropy(model(x), t).backward()
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.maker.step, sorted(opt.maker.factors)
+        (1, ['0', '2'])
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, maker: PreconditionedGradientMaker
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        if not isinstance(maker, PreconditionedGradientMaker):
+            raise TypeError(
+                "maker must be a preconditioned gradient maker (e.g. "
+                f"KfacGradientMaker), got {type(maker).__name__}"
+            )
+        name = type(maker).__name__
+        if name in REFUSED_IN_LOOP:
+            raise ValueError(
+                f"{name} cannot precondition inside a trainer's loop: "
+                f"{REFUSED_IN_LOOP[name]}. Use it as a gradient maker "
+                "(forward_and_backward) in your own loop, or one of: "
+                f"{', '.join(IN_LOOP_METHODS)}."
+            )
+        if isinstance(maker, (KronFactorMaker, HookedMaker)):
+            self._recorder: LoopRecorder | None = LoopRecorder(maker)
+        elif isinstance(maker, ShampooGradientMaker):
+            self._recorder = None  # its statistics are the gradient itself
+        else:
+            raise ValueError(
+                f"{name} is not known to work inside a trainer's loop; supported "
+                "makers: KfacGradientMaker, EkfacGradientMaker, ShampooGradientMaker, "
+                "NaturalGradientMaker, SmwNgGradientMaker, SengGradientMaker."
+            )
+        if _is_distributed():
+            raise NotImplementedError(
+                "PreconditionedOptimizer runs on a single process: under "
+                "DistributedDataParallel the recorded statistics would be one rank's "
+                "(use the gradient maker's forward_and_backward, which averages them)."
+            )
+        root = unwrap_model(maker.model)
+        checkpointing = getattr(root, "is_activation_checkpointing", None)
+        if checkpointing is None:  # transformers before 5
+            checkpointing = getattr(root, "is_gradient_checkpointing", False)
+        if checkpointing:
+            raise NotImplementedError(
+                "gradient checkpointing re-runs the forward inside the backward, "
+                "which the hooks would record twice; disable it "
+                "(model.activation_checkpointing_disable() in transformers)."
+            )
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for module_name, module in maker.modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in owned:
+                    raise ValueError(
+                        f"parameter {module_name}.{pname} is preconditioned by {name} "
+                        "but is not in the optimizer's param_groups"
+                    )
+        self.optimizer = optimizer
+        self.maker = maker
+        # What torch.optim.Optimizer.__init__ sets besides the parameter groups,
+        # which stay the wrapped optimizer's (see the properties below).
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
+        self._arm()
+
+    # -- the wrapped optimizer's fields -----------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return (
+            f"PreconditionedOptimizer({type(self.maker).__name__}, {self.optimizer!r})"
+        )
+
+    # -- the step ------------------------------------------------------------------
+    def _arm(self) -> None:
+        """Record the model calls before the next step if it updates curvature."""
+        if self._recorder is None:
+            return
+        if self.maker.config.curvature_due(self.maker.step):
+            self._recorder.start()
+        else:
+            self._recorder.stop()
+
+    @torch.no_grad()
+    def _precondition(self) -> None:
+        """What the maker's ``forward_and_backward`` runs after its pass."""
+        m = self.maker
+        total = m.config.num_total_steps
+        if total is not None and m.step >= total:
+            raise RuntimeError(
+                f"num_total_steps={total} steps have run; raise num_total_steps in the "
+                "config (or set it to None) to keep training."
+            )
+        curvature_due = m.config.curvature_due(m.step)
+        preconditioner_due = m.config.preconditioner_due(m.step)
+        if curvature_due:
+            if self._recorder is not None:
+                self._recorder.collect()
+            grads = [p.grad for p in m.model.parameters() if p.grad is not None]
+            if not all_finite(grads):
+                # As the maker: discard this step's curvature, keep the gradient.
+                curvature_due = preconditioner_due = False
+                m.skipped_curvature_updates += 1
+                if m.skipped_curvature_updates == 1:
+                    warnings.warn(
+                        f"{type(m).__name__}: non-finite gradient at step {m.step}; "
+                        "its curvature is discarded (counted in "
+                        "skipped_curvature_updates, warned once).",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            else:
+                with denormals_flushed():
+                    m.update_curvature()
+                m.curvature_updates += 1
+        with denormals_flushed():
+            if preconditioner_due:
+                m.update_preconditioner()
+                m.preconditioner_updates += 1
+            m.precondition()
+        m.step += 1
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (if given), precondition ``.grad``, step the optimizer.
+
+        Returns:
+            The closure's return value (``None`` without a closure).
+
+        Raises:
+            RuntimeError: a curvature step without a recorded model call, or
+                ``config.num_total_steps`` steps have run.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._precondition()
+        self._arm()
+        self.optimizer.step()
+        return loss
+
+    # -- state -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's state dict plus ``"preconditioner"``: the maker's."""
+        state = dict(self.optimizer.state_dict())
+        state["preconditioner"] = self.maker.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore a :meth:`state_dict` (optimizer and curvature).
+
+        Raises:
+            ValueError: ``state_dict`` has no ``"preconditioner"`` entry (a plain
+                optimizer's state would leave the curvature at its start).
+        """
+        if not isinstance(state_dict, dict) or "preconditioner" not in state_dict:
+            raise ValueError(
+                "state_dict has no 'preconditioner' entry: it is not a "
+                "PreconditionedOptimizer state (load a plain optimizer state into "
+                ".optimizer instead, which keeps the curvature as it is)"
+            )
+        state = dict(state_dict)
+        self.maker.load_state_dict(state.pop("preconditioner"))
+        self.optimizer.load_state_dict(state)
+        if self._recorder is not None:  # calls recorded before belong to no step
+            self._recorder.stop()
+        self._arm()
+
+    def close(self) -> None:
+        """Remove the hooks from the model (at the end of training; a later
+        curvature step raises)."""
+        if self._recorder is not None:
+            self._recorder.stop()
+
+
+def precondition_in_loop(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    method: str = "kfac",
+    *,
+    config: dict[str, Any] | None = None,
+    **maker_kwargs: Any,
+) -> PreconditionedOptimizer:
+    """Wrap ``optimizer`` to precondition with registered ``method`` inside a loop.
+
+    ``make_gradient_maker(method, model, config=config, **maker_kwargs)`` builds the
+    maker with the method's defaults (``leantrain.precond.PRECOND_METHODS``).
+
+    Args:
+        optimizer: the optimizer the loop steps.
+        model: the module whose call returns the logits.
+        method: a key of :data:`IN_LOOP_METHODS`.
+        config: ``PreconditioningConfig`` fields overriding the method's.
+        **maker_kwargs: maker options overriding the method's (e.g.
+            ``fisher_type="fisher_emp"``).
+
+    Raises:
+        ValueError: an unknown method, or one that cannot run in a loop (the
+            message says why).
+
+    Example:
+        >>> import torch
+        >>> from leantrain.precond import precondition_in_loop
+        >>> model = torch.nn.Linear(4, 3)
+        >>> opt = precondition_in_loop(
+        ...     torch.optim.SGD(model.parameters(), lr=0.1), model, "shampoo")
+        >>> type(opt.maker).__name__
+        'ShampooGradientMaker'
+    """
+    if method not in IN_LOOP_METHODS:
+        if method in PRECOND_METHODS:
+            cls = PRECOND_METHODS[method].cls
+            raise ValueError(
+                f"method {method!r} cannot precondition inside a trainer's loop: "
+                f"{REFUSED_IN_LOOP.get(cls, 'not supported')}. Supported: "
+                f"{', '.join(IN_LOOP_METHODS)}."
+            )
+        raise ValueError(
+            f"unknown preconditioning method {method!r}; in a loop: "
+            f"{', '.join(IN_LOOP_METHODS)}"
+        )
+    if config is not None and not isinstance(config, dict):
+        if dataclasses.is_dataclass(config):  # a PreconditioningConfig (no copies)
+            config = {
+                f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            }
+        else:
+            raise TypeError(f"config must be a dict of fields, got {config!r}")
+    maker = make_gradient_maker(method, model, config=config, **maker_kwargs)
+    return PreconditionedOptimizer(optimizer, maker)
