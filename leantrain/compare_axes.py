@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 import time
@@ -148,12 +149,25 @@ def _write_plot(panels: list[tuple[Axis, dict, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _load() -> float:
+    """The 1-minute load average (NaN where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+
+
+def _fmt_load(value: float) -> str:
+    return "unknown" if value != value else f"{value:.1f}"
+
+
 def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
     """Run the axes ``names``; print the tables; write compare.{md,json,png}."""
     start = time.perf_counter()
+    load_start = _load()
     configs = {name: AXES[name].config(args) for name in names}
     jobs = [job for name in names for job in AXES[name].jobs(configs[name])]
-    results = run_jobs(jobs, workers=args.workers, threads=args.threads)
+    results, cpu = run_jobs(jobs, workers=args.workers, threads=args.threads)
     wall_s = time.perf_counter() - start
     summaries = {name: AXES[name].summarise(configs[name], results) for name in names}
     command = "leantrain " + shlex.join(args.argv)
@@ -182,14 +196,25 @@ def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
             **axis.record(summary),
         }
     workers = f"{args.workers} process" + ("es" if args.workers > 1 else "")
+    load = (load_start, _load())
     after = (
         f"Wall time of the whole comparison: {wall_s:.1f} s ({len(jobs)} runs on "
-        f"{workers}, {args.threads} torch thread each)."
+        f"{workers}, {args.threads} torch thread each; machine load, the 1-minute "
+        f"load average, {_fmt_load(load[0])} at the start and {_fmt_load(load[1])} "
+        f"at the end, on {os.cpu_count()} cores). CPU time of the runs (the "
+        f"two-process timing's processes not counted): {sum(cpu.values()):.1f} s."
     )
     print(f"\n{after}")
     run_versions = versions()
     run_versions["torch threads"] = str(args.threads)
-    record.update(wall_s=wall_s, workers=args.workers, versions=run_versions)
+    record.update(
+        wall_s=wall_s,
+        workers=args.workers,
+        load_average=list(load),
+        cpu_s={job.label: cpu[job.key] for job in jobs},
+        cpu_count=os.cpu_count(),
+        versions=run_versions,
+    )
     md += [
         after,
         "",

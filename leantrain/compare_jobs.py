@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import queue as queue_module
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,12 +55,16 @@ def _tick() -> None:
     _TICKS.put(1)
 
 
-def _run_in_worker(job: Job) -> Any:
-    return job.fn(*job.args, progress=_tick, **job.kwargs)
+def _run_in_worker(job: Job) -> tuple[Any, float]:
+    cpu = time.process_time()
+    result = job.fn(*job.args, progress=_tick, **job.kwargs)
+    return result, time.process_time() - cpu
 
 
-def run_jobs(jobs: Sequence[Job], workers: int, threads: int = 1) -> dict:
-    """Run every job; returns ``{job.key: result}``.
+def run_jobs(jobs: Sequence[Job], workers: int, threads: int = 1) -> tuple[dict, dict]:
+    """Run every job; returns ``{job.key: result}`` and ``{job.key: CPU seconds}``
+    (the CPU time of the process that ran it, during the job; an exclusive job's
+    own child processes are not counted).
 
     ``workers == 1`` runs everything in this process (no spawn cost; the tests use
     it). An exception in a job is raised here, naming the job.
@@ -70,6 +75,7 @@ def run_jobs(jobs: Sequence[Job], workers: int, threads: int = 1) -> dict:
     if len(set(keys)) != len(keys):
         raise ValueError(f"job keys must be unique, got {keys}")
     results: dict = {}
+    cpu: dict = {}
     total = sum(j.ticks for j in jobs)
     with progress_bar(total) as bar:
         pooled = sorted((j for j in jobs if not j.exclusive), key=lambda j: -j.cost)
@@ -82,16 +88,21 @@ def run_jobs(jobs: Sequence[Job], workers: int, threads: int = 1) -> dict:
             before = bar.n
             previous = torch.get_num_threads()
             torch.set_num_threads(threads)
+            start = time.process_time()
             try:
                 results[job.key] = job.fn(*job.args, progress=bar.update, **job.kwargs)
+                cpu[job.key] = time.process_time() - start
             except Exception as err:
                 raise RuntimeError(f"compare run {job.label!r} failed: {err}") from err
             finally:
                 torch.set_num_threads(previous)
             bar.update(max(0, before + job.ticks - bar.n))  # a job may tick less
         if pooled:
-            results.update(_run_pool(pooled, workers, threads, bar))
-    return results
+            for key, (result, seconds) in _run_pool(
+                pooled, workers, threads, bar
+            ).items():
+                results[key], cpu[key] = result, seconds
+    return results, cpu
 
 
 def _run_pool(jobs: Sequence[Job], workers: int, threads: int, bar) -> dict:
