@@ -178,7 +178,7 @@ def table(summary: dict, config: MemoryConfig) -> str:
     return markdown_table(body)
 
 
-def settings(config: MemoryConfig, results: Mapping) -> str:
+def settings(config: MemoryConfig, summary: dict) -> str:
     """One line: the model, the data and the training settings."""
     first = _task(config, config.seeds[0])
     return (
