@@ -29,146 +29,13 @@ Run: ``python benchmarks/lp_speedup.py`` (a few minutes on 2 quiet cores);
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
-import statistics
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from leantrain.layer_parallel import LayerParallel
 from leantrain.layer_parallel.simulate import CommModel, LayerTimes, simulate
+from leantrain.layer_parallel.timing import StackSpec, layer_times, measure_two_process
 from leantrain.models.blocks import TransformerBlock
-
-
-def _blocks(n: int, d: int, heads: int, causal: bool = True) -> list[TransformerBlock]:
-    torch.manual_seed(0)
-    return [TransformerBlock(d, heads, causal=causal) for _ in range(n)]
-
-
-class _LayerSampler:
-    """One sample per call of the four kinds of layer step the solver performs."""
-
-    def __init__(self, block: torch.nn.Module, x: torch.Tensor, dt: float) -> None:
-        self.block, self.x, self.dt = block, x, dt
-        self.params = list(block.parameters())
-        self.samples: list[tuple[float, float, float, float]] = []
-
-    def __call__(self) -> None:
-        block, x, dt = self.block, self.x, self.dt
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            block(x, dt)
-        t1 = time.perf_counter()
-        xi = x.detach().requires_grad_()
-        y = block(xi, dt)
-        t2 = time.perf_counter()
-        w = torch.ones_like(y)
-        torch.autograd.grad(y, xi, w, retain_graph=True)
-        t3 = time.perf_counter()
-        torch.autograd.grad(y, [xi, *self.params], w)
-        t4 = time.perf_counter()
-        self.samples.append((t1 - t0, t3 - t2, t2 - t1, t4 - t3))
-
-    def times(self) -> LayerTimes:
-        f, b, fr, bp = (statistics.median(c) for c in zip(*self.samples, strict=True))
-        return LayerTimes(forward=f, backward=b, forward_record=fr, backward_params=bp)
-
-
-def layer_times(block: torch.nn.Module, x: torch.Tensor, dt: float, reps: int):
-    """Median seconds of the four kinds of layer step (after one warm-up)."""
-    sampler = _LayerSampler(block, x, dt)
-    for _ in range(reps + 1):
-        sampler()
-    sampler.samples = sampler.samples[1:]
-    return sampler.times()
-
-
-def _step(stack, x, w) -> None:
-    xi = x.detach().requires_grad_()
-    (stack(xi) * w).sum().backward()
-    stack.zero_grad(set_to_none=True)
-
-
-def _ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
-    # Half of the median round trip: one message.
-    def round_trip():
-        if first:
-            dist.send(t, peer)
-            dist.recv(t, peer)
-        else:
-            dist.recv(t, peer)
-            dist.send(t, peer)
-
-    times = []
-    round_trip()
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        round_trip()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / 2
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _worker(rank, world, port, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1200)
-    )
-    try:
-        n, d = args.n, args.d
-        blocks = _blocks(n, d, args.heads)
-        serial = LayerParallel(blocks, cf=4).serial() if rank == 0 else None
-        stack = LayerParallel(
-            _blocks(n, d, args.heads), cf=4, levels=2, fwd_iters=1, bwd_iters=1
-        ).distribute()
-        torch.manual_seed(1)
-        x = torch.randn(args.batch, args.tokens, d)
-        w = torch.randn_like(x)
-        sampler = _LayerSampler(stack.steps[stack.owned_layers[0]], x, 1 / n)
-        par_t, ser_t = [], []
-        # Interleaved, so that the serial step, the parallel step and the layer
-        # times all see the same (possibly busy) machine; round 0 is a warm-up.
-        for _ in range(args.repeats + 1):
-            dist.barrier()
-            par_t.append(_timed(lambda: _step(stack, x, w)))
-            dist.barrier()
-            if rank == 0:  # the other process waits in the barrier (idle)
-                ser_t.append(_timed(lambda: _step(serial, x, w)))
-            dist.barrier()
-            for _ in range(max(1, args.layer_reps // args.repeats)):
-                sampler()
-        par = torch.tensor([statistics.median(par_t[1:])])
-        dist.all_reduce(par, op=dist.ReduceOp.MAX)
-        lat = _ping(1 - rank, torch.zeros(2), rank == 0, 20)
-        # bandwidth from a message of at least 4 MB: small ones are all latency
-        big = torch.zeros(max(x.numel(), 1 << 20))
-        big_t = _ping(1 - rank, big, rank == 0, 5)
-        if rank == 0:
-            sampler.samples = sampler.samples[1:]
-            queue.put(
-                (
-                    par.item(),
-                    statistics.median(ser_t[1:]),
-                    lat,
-                    big_t,
-                    big.numel() * 4,
-                    x.numel() * 4,
-                    sampler.times(),
-                )
-            )
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def measured(args) -> CommModel:
@@ -177,21 +44,18 @@ def measured(args) -> CommModel:
         f"\n## Measured: N={n} GPT blocks d={d}, {args.heads} heads, batch "
         f"{args.batch}, {args.tokens} tokens, fp32, L=2, cf=4, 1 fwd (skip) / 1 bwd"
     )
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    par, serial, lat, big_t, big_bytes, nbytes, lt = queue.get(timeout=7200)
-    for p in procs:
-        p.join()
-    bandwidth = big_bytes / max(big_t - lat, big_t / 2)
-    comm = CommModel(latency=lat, bandwidth=bandwidth)
+    spec = StackSpec(
+        n_layers=n,
+        d_model=d,
+        n_head=args.heads,
+        batch=args.batch,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        layer_reps=args.layer_reps,
+    )
+    timing = measure_two_process(spec, timeout=7200)
+    par, serial, lt, comm = timing.parallel, timing.serial, timing.layers, timing.comm
+    lat, bandwidth, nbytes = comm.latency, comm.bandwidth, spec.state_bytes
     pred = simulate(
         n, 2, lt, cf=4, fwd_iters=1, bwd_iters=1, comm=comm, state_bytes=nbytes
     )

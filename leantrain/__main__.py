@@ -1,3 +1,5 @@
 from leantrain.cli import main
 
-raise SystemExit(main())
+# Guarded: spawned worker processes import the main module again.
+if __name__ == "__main__":
+    raise SystemExit(main())

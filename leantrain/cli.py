@@ -1,9 +1,12 @@
 """The ``leantrain`` command: argument parsing and dispatch.
 
-``leantrain compare`` trains one seeded model with several optimizers (same initial
-weights, same batches in the same order) and reports final losses, optimizer state
-bytes per parameter and step times, each as a ratio to AdamW
-(:mod:`leantrain.compare`). ``--peers`` runs the published peer optimizers instead
+``leantrain compare`` (no arguments) reports the three axes, memory, curvature and
+depth (:mod:`leantrain.compare_axes`); ``leantrain compare memory|curvature|depth``
+one of them. With a single-model option (``--model``, ``--optimizers``, ``--steps``,
+...) it trains one seeded model with several optimizers (same initial weights, same
+batches in the same order) and reports final losses, optimizer state bytes per
+parameter and step times, each as a ratio to AdamW (:mod:`leantrain.compare`).
+``--peers`` runs the published peer optimizers instead
 (:mod:`leantrain.compare_peers`), ``--precond`` the gradient-preconditioning methods
 against SGD and AdamW (:mod:`leantrain.compare_precond`). See docs/compare.md.
 
@@ -18,10 +21,22 @@ import sys
 from collections.abc import Callable, Sequence
 
 from leantrain.compare import OPTIMIZERS, TASKS, run_compare
+from leantrain.compare_axes import AXES, run_axes
 from leantrain.peers import PEERS
 from leantrain.precond.registry import PRECOND_METHODS
 
 DEFAULT_OPTIMIZERS = ["adamw", "gefen8", "gefen4"]
+# Options of the single-model comparison; any of them selects it.
+SINGLE_MODEL_OPTIONS = {
+    "model": "--model",
+    "data": "--data",
+    "optimizers": "--optimizers",
+    "peers": "--peers",
+    "precond": "--precond",
+    "steps": "--steps",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+}
 
 
 def _positive_int(text: str) -> int:
@@ -57,6 +72,13 @@ def _name_list(kind: str, registry: Sequence[str]) -> Callable[[str], list[str]]
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``leantrain compare`` (defaults per model come from TASKS)."""
+    parser.add_argument(
+        "axis",
+        nargs="?",
+        choices=list(AXES),
+        help="run one axis (default: all three, unless a single-model option "
+        "such as --model or --optimizers is given)",
+    )
     parser.add_argument(
         "--model",
         choices=list(TASKS),
@@ -114,12 +136,26 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=_positive_int,
         default=1,
-        help="torch threads (%(default)s)",
+        help="torch threads (per process with the axes; %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=2,
+        help="processes for the axes' independent runs (%(default)s)",
     )
 
 
 def dispatch_compare(args: argparse.Namespace) -> list:
     """Run the variant of ``leantrain compare`` the options ask for."""
+    given = [flag for dest, flag in SINGLE_MODEL_OPTIONS.items() if getattr(args, dest)]
+    if args.axis is not None or not given:
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply to the single-model comparison; leave "
+                f"out the axis {args.axis!r} to run it"
+            )
+        return run_axes(args, [args.axis] if args.axis else list(AXES))
     if args.model is None:  # preconditioning wants a small model
         args.model = "mlp" if args.precond else "gpt"
     if args.peers:
@@ -139,8 +175,9 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable]] 
     "compare": (add_compare_arguments, dispatch_compare),
 }
 COMMAND_HELP = {
-    "compare": "train one model with AdamW and Gefen (or the peers, or the "
-    "preconditioning methods) from the same start; print and save a table",
+    "compare": "the three axes (memory, curvature, depth) side by side, or one "
+    "model with AdamW and Gefen (or the peers, or the preconditioning methods) "
+    "from the same start; print and save the tables",
 }
 
 

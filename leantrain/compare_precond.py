@@ -65,6 +65,7 @@ class MethodResult:
     val_loss: float = math.nan
     steps_to_target: int | None = None
     train_losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # seconds, every step
 
 
 def tail_window(steps: int) -> int:
@@ -113,7 +114,7 @@ def train_method(
             result.status = f"not applicable: {_short(err)}"
             return result
         opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=MOMENTUM)
-    times = []
+    times = result.step_times
     try:
         for i, batch in zip(range(steps), task.batches(), strict=False):
             t0 = time.perf_counter()

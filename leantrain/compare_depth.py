@@ -1,0 +1,330 @@
+"""The depth axis of ``leantrain compare``: the serial stack against LayerParallel.
+
+A deep, narrow GPT (``GPTConfig(n_layer=32, d_model=32, t_final=1)``: ``h = 1/N``)
+is run twice on one batch of the embedded text: with its own residual stack (exact
+serial autograd) and with the same blocks inside :class:`LayerParallel` (MGRIT
+forward and adjoint). The table gives
+
+* the relative difference ``||a - b|| / ||b||`` of the logits and of the gradient of
+  every parameter (concatenated), parallel against serial, in float32;
+* MGRIT's convergence factor, forward and adjoint: the worst ratio of consecutive
+  residuals above the rounding floor (:func:`~.layer_parallel.convergence_factor`),
+  measured as the :class:`~.layer_parallel.Controller` does, on a step with twice
+  the iterations (so that every solve records at least two residuals);
+* the step time of the stack on two gloo processes (one thread each) against the
+  serial step on one, measured in the same two processes
+  (:func:`~.layer_parallel.timing.measure_two_process`), and the simulator's
+  prediction of that two-process step from the per-layer times and the message cost
+  measured there;
+* the simulator's projected speedup over serial at 8, 32 and 128 ranks for a stack
+  of ``projected_layers`` of the same blocks, from those layer times, under the
+  message cost measured here and under a GPU interconnect (10 us, 25 GB/s).
+
+The two-process timing needs both cores, so it runs alone, before the other axes'
+runs start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+
+from leantrain._report import fmt, markdown_table
+from leantrain.compare_jobs import Job
+from leantrain.layer_parallel.simulate import CommModel, simulate
+from leantrain.layer_parallel.timing import StackSpec, measure_two_process
+
+GPU_INTERCONNECT = CommModel(latency=1e-5, bandwidth=25e9)
+
+
+@dataclass(frozen=True)
+class DepthConfig:
+    """The GPT, the solver, the timing rounds and the projection of the depth axis."""
+
+    n_layer: int = 32
+    d_model: int = 32
+    n_head: int = 4
+    tokens: int = 32
+    batch: int = 16
+    levels: int = 2
+    cf: int = 4
+    fwd_iters: int = 2
+    bwd_iters: int = 1
+    repeats: int = 10
+    layer_reps: int = 20
+    ranks: tuple[int, ...] = (8, 32, 128)
+    projected_layers: int = 512
+    seed: int = 0
+    data: str = "stdlib"
+
+    def stack_spec(self) -> StackSpec:
+        """The two-process timing's stack: this GPT's blocks, this solver."""
+        return StackSpec(
+            n_layers=self.n_layer,
+            d_model=self.d_model,
+            n_head=self.n_head,
+            batch=self.batch,
+            tokens=self.tokens,
+            levels=self.levels,
+            cf=self.cf,
+            fwd_iters=self.fwd_iters,
+            bwd_iters=self.bwd_iters,
+            repeats=self.repeats,
+            layer_reps=self.layer_reps,
+            seed=self.seed,
+        )
+
+
+DEFAULT = DepthConfig()
+
+
+@dataclass
+class DepthAccuracy:
+    """Parallel against serial on one batch, and the convergence factors."""
+
+    output_rel_diff: float
+    grad_rel_diff: float
+    forward_factor: float
+    backward_factor: float
+    n_params: int
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def depth_accuracy(
+    config: DepthConfig, *, progress: Callable[[], None]
+) -> DepthAccuracy:
+    """Logits and gradients of the GPT, LayerParallel against its serial stack."""
+    from leantrain.data import TokenBatches, load_corpus
+    from leantrain.layer_parallel import LayerParallel, convergence_factor
+    from leantrain.models import GPT, GPTConfig, lm_loss
+
+    corpus = load_corpus(config.data)
+    torch.manual_seed(config.seed)
+    model = GPT(
+        GPTConfig(
+            block_size=config.tokens,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            d_model=config.d_model,
+            t_final=1.0,
+        )
+    )
+    batches = TokenBatches(
+        corpus.train,
+        block_size=config.tokens,
+        batch_size=config.batch,
+        seed=config.seed,
+    )
+    x, y = next(iter(batches))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        logits = model(x)
+        lm_loss(logits, y).backward()
+        grads = [p.grad.flatten() for _, p in sorted(model.named_parameters())]
+        return logits.detach(), torch.cat(grads)
+
+    serial_out, serial_grad = run()
+    model.stack = LayerParallel(
+        model.stack.steps,
+        levels=config.levels,
+        cf=config.cf,
+        fwd_iters=config.fwd_iters,
+        bwd_iters=config.bwd_iters,
+    )
+    parallel_out, parallel_grad = run()
+    progress()
+    # As the Controller measures it: twice the cycles, so each solve records at
+    # least two residuals even when the first cycle skips the down-cycle.
+    model.stack.set_iterations(2 * config.fwd_iters, 2 * config.bwd_iters)
+    run()
+    return DepthAccuracy(
+        output_rel_diff=_rel(parallel_out, serial_out),
+        grad_rel_diff=_rel(parallel_grad, serial_grad),
+        forward_factor=convergence_factor(model.stack.stats.forward),
+        backward_factor=convergence_factor(model.stack.stats.backward),
+        n_params=model.num_params(),
+    )
+
+
+def time_two_processes(config: DepthConfig, *, progress: Callable[[], None]):
+    """The exclusive job: :func:`measure_two_process` of the stack."""
+    return measure_two_process(config.stack_spec())
+
+
+def jobs(config: DepthConfig) -> list[Job]:
+    """The two-process timing (exclusive) and the accuracy check."""
+    per_rank = config.projected_layers
+    for p in config.ranks:
+        if per_rank % p or (per_rank // p) % config.cf ** (config.levels - 1):
+            raise ValueError(
+                f"projected_layers={per_rank} must split over {p} ranks into "
+                f"multiples of cf**(levels-1) = {config.cf ** (config.levels - 1)}"
+            )
+    return [
+        Job(
+            key=("depth", "timing"),
+            label="depth: 2-process timing",
+            fn=time_two_processes,
+            args=(config,),
+            exclusive=True,
+        ),
+        Job(
+            key=("depth", "accuracy"),
+            label="depth: parallel vs serial",
+            fn=depth_accuracy,
+            args=(config,),
+            cost=5.0,
+        ),
+    ]
+
+
+def _simulate(config: DepthConfig, n: int, ranks: int, timing, comm: CommModel):
+    return simulate(
+        n,
+        ranks,
+        timing.layers,
+        levels=config.levels,
+        cf=config.cf,
+        fwd_iters=config.fwd_iters,
+        bwd_iters=config.bwd_iters,
+        comm=comm,
+        state_bytes=config.stack_spec().state_bytes,
+    )
+
+
+def summarise(config: DepthConfig, results: Mapping) -> dict:
+    """Accuracy, measured and simulated two-process steps, and the projections."""
+    accuracy = results[("depth", "accuracy")]
+    timing = results[("depth", "timing")]
+    simulated_two = _simulate(config, config.n_layer, 2, timing, timing.comm)
+    projected = {
+        name: {
+            p: _simulate(config, config.projected_layers, p, timing, comm).speedup
+            for p in config.ranks
+        }
+        for name, comm in (("measured", timing.comm), ("gpu", GPU_INTERCONNECT))
+    }
+    return {
+        "accuracy": accuracy,
+        "timing": timing,
+        "simulated_two_step": simulated_two.step,
+        "simulated_two_speedup": simulated_two.speedup,
+        "projected": projected,
+    }
+
+
+def table(summary: dict, config: DepthConfig) -> str:
+    """Markdown table of the depth axis (quantity, value)."""
+    a, t = summary["accuracy"], summary["timing"]
+    lt = t.layers
+    layer_ms = " / ".join(
+        f"{v * 1e3:.3f}"
+        for v in (lt.forward, lt.forward_record, lt.backward, lt.backward_params)
+    )
+    rows = [
+        ["quantity", "value"],
+        ["---", "---:"],
+        ["output rel. difference, parallel vs serial", f"{a.output_rel_diff:.2e}"],
+        ["gradient rel. difference (all parameters)", f"{a.grad_rel_diff:.2e}"],
+        [
+            "MGRIT convergence factor, forward / adjoint",
+            f"{a.forward_factor:.3f} / {a.backward_factor:.3f}",
+        ],
+        ["serial step, 1 process (ms)", f"{t.serial * 1e3:.1f}"],
+        ["layer-parallel step, 2 processes (ms)", f"{t.parallel * 1e3:.1f}"],
+        ["measured speedup, 2 processes vs serial", f"{t.speedup:.2f}x"],
+        [
+            "simulated 2-process step (ms) / measured",
+            f"{summary['simulated_two_step'] * 1e3:.1f} / "
+            f"{summary['simulated_two_step'] / t.parallel:.2f}",
+        ],
+        ["layer fwd / fwd+graph / vjp / vjp+params (ms)", layer_ms],
+        [
+            "message latency (us) / bandwidth (MB/s)",
+            f"{t.comm.latency * 1e6:.0f} / {t.comm.bandwidth / 1e6:.0f}",
+        ],
+    ]
+    n = config.projected_layers
+    for name, label in (
+        ("measured", "messages as measured"),
+        ("gpu", "GPU interconnect 10 us, 25 GB/s"),
+    ):
+        cells = ", ".join(
+            f"{p}: {fmt(s, '.2f')}x" for p, s in summary["projected"][name].items()
+        )
+        rows.append([f"projected speedup, {n} layers, {label} (ranks: x)", cells])
+    return markdown_table(rows)
+
+
+def settings(config: DepthConfig, summary: dict) -> str:
+    """One line: the model, the solver and the timing."""
+    c = config
+    return (
+        f"GPT with {c.n_layer} blocks, d_model {c.d_model}, {c.n_head} heads, "
+        f"h = 1/{c.n_layer} ({summary['accuracy'].n_params:,} params), batch "
+        f"{c.batch} x {c.tokens} bytes, fp32; MGRIT L={c.levels}, cf={c.cf}, "
+        f"{c.fwd_iters} forward / {c.bwd_iters} adjoint cycles; timing: the median "
+        f"of {c.repeats} rounds"
+    )
+
+
+EXPLANATION = (
+    "Differences: ||parallel - serial|| / ||serial|| on one training batch (the "
+    "serial reference is the GPT's own residual stack). Convergence factor: the "
+    "worst ratio of consecutive MGRIT residuals above the rounding floor, on a step "
+    "with twice the cycles (below 1: each cycle shrinks the error). Step times: "
+    "forward and backward of the block stack, one thread per process, the serial "
+    "step in the same two processes while the other waits; the speedup is serial / "
+    "parallel. Simulated and projected steps: the schedule simulator fed with the "
+    "layer times and the message cost measured in this run (serial = N layers of "
+    "forward with graph and backward with parameters)."
+)
+
+
+def record(summary: dict) -> dict:
+    """The axis' entries of compare.json."""
+    t = summary["timing"]
+    return {
+        "accuracy": asdict(summary["accuracy"]),
+        "serial_step_s": t.serial,
+        "parallel_step_s": t.parallel,
+        "measured_speedup": t.speedup,
+        "layer_times_s": asdict(t.layers),
+        "latency_s": t.comm.latency,
+        "bandwidth_bytes_per_s": t.comm.bandwidth,
+        "simulated_two_step_s": summary["simulated_two_step"],
+        "simulated_two_speedup": summary["simulated_two_speedup"],
+        "projected_speedup": {
+            name: {str(p): s for p, s in by_rank.items()}
+            for name, by_rank in summary["projected"].items()
+        },
+    }
+
+
+def plot(ax, summary: dict, config: DepthConfig) -> None:
+    """Speedup over serial against ranks: measured, simulated, projected."""
+    for name, label in (
+        ("measured", "projected, messages as measured"),
+        ("gpu", "projected, GPU interconnect"),
+    ):
+        by_rank = summary["projected"][name]
+        ax.plot(list(by_rank), list(by_rank.values()), "o-", label=label)
+    t = summary["timing"]
+    ax.plot([2], [t.speedup], "k*", markersize=12, label="measured, 2 processes")
+    ax.plot([2], [summary["simulated_two_speedup"]], "kx", label="simulated, 2")
+    ax.axhline(1.0, color="0.5", linestyle=":")
+    ax.set_xscale("log", base=2)
+    ticks = [2, *config.ranks]
+    ax.set_xticks(ticks, [str(p) for p in ticks])
+    ax.set(
+        xlabel="ranks",
+        ylabel="speedup over serial",
+        title=f"depth: {config.projected_layers}-layer projection",
+    )
+    ax.legend(fontsize=7)

@@ -1,0 +1,271 @@
+"""Measured inputs of the schedule simulator: layer-step times and message costs.
+
+:func:`measure_two_process` trains one stack of GPT blocks for a few steps on two
+gloo processes (one thread each) with :class:`~.module.LayerParallel` and, in the
+same two processes, serially on one of them; it also samples the four kinds of layer
+step the solver performs (:class:`LayerSampler`) and the cost of a message
+(:func:`ping`). Everything is interleaved round by round (a parallel step on both
+processes, a serial step on rank 0 while rank 1 waits, layer samples on both), so
+all of it sees the same machine load; each time is the median over the rounds after
+one warm-up. The result feeds :func:`~.simulate.simulate`, whose prediction of the
+two-process step can then be checked against the measured one.
+
+Used by ``leantrain compare depth`` and ``benchmarks/lp_speedup.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from leantrain.layer_parallel.simulate import CommModel, LayerTimes
+
+
+class LayerSampler:
+    """One sample per call of the four kinds of layer step the solver performs:
+    forward without graph, VJP through a stored graph, forward with graph, VJP with
+    parameter gradients (the order of :class:`~.simulate.LayerTimes`' fields)."""
+
+    def __init__(self, block: nn.Module, x: torch.Tensor, dt: float) -> None:
+        self.block, self.x, self.dt = block, x, dt
+        self.params = list(block.parameters())
+        self.samples: list[tuple[float, float, float, float]] = []
+
+    def __call__(self) -> None:
+        block, x, dt = self.block, self.x, self.dt
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            block(x, dt)
+        t1 = time.perf_counter()
+        xi = x.detach().requires_grad_()
+        y = block(xi, dt)
+        t2 = time.perf_counter()
+        w = torch.ones_like(y)
+        torch.autograd.grad(y, xi, w, retain_graph=True)
+        t3 = time.perf_counter()
+        torch.autograd.grad(y, [xi, *self.params], w)
+        t4 = time.perf_counter()
+        self.samples.append((t1 - t0, t3 - t2, t2 - t1, t4 - t3))
+
+    def times(self) -> LayerTimes:
+        """Median of every kind over the samples taken."""
+        f, b, fr, bp = (statistics.median(c) for c in zip(*self.samples, strict=True))
+        return LayerTimes(forward=f, backward=b, forward_record=fr, backward_params=bp)
+
+
+def layer_times(block: nn.Module, x: torch.Tensor, dt: float, reps: int) -> LayerTimes:
+    """Median seconds of the four kinds of layer step (after one warm-up)."""
+    sampler = LayerSampler(block, x, dt)
+    for _ in range(reps + 1):
+        sampler()
+    sampler.samples = sampler.samples[1:]
+    return sampler.times()
+
+
+def ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
+    """Seconds of one message of ``t`` to ``peer``: half the median round trip
+    (``first``: this rank sends first). Both ranks must call it."""
+    import torch.distributed as dist
+
+    def round_trip() -> None:
+        if first:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+
+    times = []
+    round_trip()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        round_trip()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / 2
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """The stack and the solver of :func:`measure_two_process`.
+
+    ``n_layers`` pre-LN causal GPT blocks (``d_model``, ``n_head``; the blocks of
+    ``GPT(GPTConfig(...))`` with ``t_final=1``, so ``h = 1/N``) on a state of
+    ``batch`` x ``tokens`` x ``d_model`` (fp32); MGRIT with ``levels``, ``cf``,
+    ``fwd_iters`` and ``bwd_iters``; ``repeats`` timed rounds after one warm-up and
+    about ``layer_reps`` layer samples in all.
+    """
+
+    n_layers: int = 64
+    d_model: int = 256
+    n_head: int = 4
+    batch: int = 8
+    tokens: int = 64
+    levels: int = 2
+    cf: int = 4
+    fwd_iters: int = 1
+    bwd_iters: int = 1
+    repeats: int = 5
+    layer_reps: int = 7
+    seed: int = 0
+
+    def blocks(self) -> list[nn.Module]:
+        """The blocks, freshly built from ``seed`` (the same on every rank)."""
+        from leantrain.models import GPT, GPTConfig
+
+        torch.manual_seed(self.seed)
+        config = GPTConfig(
+            block_size=self.tokens,
+            n_layer=self.n_layers,
+            n_head=self.n_head,
+            d_model=self.d_model,
+            t_final=1.0,
+        )
+        return list(GPT(config).stack.steps)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state, the message between neighbouring ranks."""
+        return self.batch * self.tokens * self.d_model * 4
+
+
+@dataclass(frozen=True)
+class TwoProcessTiming:
+    """What :func:`measure_two_process` measured (seconds, bytes per second).
+
+    ``parallel``: median layer-parallel step, the slower of the two ranks;
+    ``serial``: median serial step on one process; ``layers``: per-layer step times
+    measured while both processes were busy; ``comm``: the message-cost model from
+    8-byte and (at least) 4 MB ping-pongs.
+    """
+
+    parallel: float
+    serial: float
+    layers: LayerTimes
+    comm: CommModel
+
+    @property
+    def speedup(self) -> float:
+        """Measured serial step / layer-parallel step."""
+        return self.serial / self.parallel
+
+
+def _step(stack: nn.Module, x: torch.Tensor, w: torch.Tensor) -> None:
+    xi = x.detach().requires_grad_()
+    (stack(xi) * w).sum().backward()
+    stack.zero_grad(set_to_none=True)
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _worker(rank: int, port: int, spec: StackSpec, queue) -> None:
+    import torch.distributed as dist
+
+    from leantrain.layer_parallel.module import LayerParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1200)
+    )
+    try:
+        serial = LayerParallel(spec.blocks(), cf=spec.cf).serial()
+        stack = LayerParallel(
+            spec.blocks(),
+            cf=spec.cf,
+            levels=spec.levels,
+            fwd_iters=spec.fwd_iters,
+            bwd_iters=spec.bwd_iters,
+        ).distribute()
+        torch.manual_seed(spec.seed + 1)
+        x = torch.randn(spec.batch, spec.tokens, spec.d_model)
+        w = torch.randn_like(x)
+        own = stack.steps[stack.owned_layers[0]]
+        sampler = LayerSampler(own, x, 1 / spec.n_layers)
+        par_t, ser_t = [], []
+        # Interleaved, so that the serial step, the parallel step and the layer
+        # times all see the same (possibly busy) machine; round 0 is a warm-up.
+        for _ in range(spec.repeats + 1):
+            dist.barrier()
+            par_t.append(_timed(lambda: _step(stack, x, w)))
+            dist.barrier()
+            if rank == 0:  # the other process waits in the barrier (idle)
+                ser_t.append(_timed(lambda: _step(serial, x, w)))
+            dist.barrier()
+            for _ in range(max(1, spec.layer_reps // spec.repeats)):
+                sampler()
+        par = torch.tensor([statistics.median(par_t[1:])])
+        dist.all_reduce(par, op=dist.ReduceOp.MAX)
+        latency = ping(1 - rank, torch.zeros(2), rank == 0, 20)
+        # Bandwidth from a message of at least 4 MB: small ones are all latency.
+        big = torch.zeros(max(x.numel(), 1 << 20))
+        big_t = ping(1 - rank, big, rank == 0, 5)
+        if rank == 0:
+            sampler.samples = sampler.samples[1:]
+            bandwidth = big.numel() * 4 / max(big_t - latency, big_t / 2)
+            queue.put(
+                TwoProcessTiming(
+                    parallel=par.item(),
+                    serial=statistics.median(ser_t[1:]),
+                    layers=sampler.times(),
+                    comm=CommModel(latency=latency, bandwidth=bandwidth),
+                )
+            )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_two_process(spec: StackSpec, timeout: float = 600.0) -> TwoProcessTiming:
+    """Spawn two gloo processes (one thread each) and measure ``spec``'s stack.
+
+    Raises:
+        RuntimeError: if a process fails or nothing arrives within ``timeout`` s.
+    """
+    import queue as queue_module
+
+    import torch.multiprocessing as mp
+
+    if spec.n_layers % (2 * spec.cf ** (spec.levels - 1)):
+        raise ValueError(
+            f"n_layers={spec.n_layers} must split into 2 chunks of a multiple of "
+            f"cf**(levels-1) = {spec.cf ** (spec.levels - 1)} layers"
+        )
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, port, spec, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                timing = results.get(timeout=1.0)
+                break
+            except queue_module.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"two-process layer-parallel timing failed (exit codes "
+                        f"{[p.exitcode for p in procs]})"
+                    ) from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return timing
