@@ -2,10 +2,15 @@
 
 On 2 gloo processes, GPipe and 1F1B with 2 micro-batches must give every parameter
 the gradient that plain autograd on the whole model and the whole batch gives, in
-float64 to 1e-12, and the same loss; the layout checks refuse what cannot run.
+float64 to 1e-12, and the same loss; the layout checks and benchmarks/depth.py
+refuse what cannot run.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +85,46 @@ def test_pipeline_gradients_equal_serial():
 def test_pipeline_settings_refused(args, match):
     with pytest.raises(ValueError, match=match):
         check_pipeline_settings(*args)
+
+
+@pytest.fixture(scope="module")
+def depth_bench():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "depth.py"
+    spec = importlib.util.spec_from_file_location("bench_depth", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_depth"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("bench_depth", None)
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--depths", "16", "33"], "n_layer=33 is not divisible by the 2"),
+        (["--micro-batches", "3"], "micro_batches=3 does not divide the batch size 8"),
+        (["--depths", "12", "--lp", "2,4,1,1"], "depth 12 on 2 ranks: 6 layers"),
+        (["--lp", "2,4,1"], "expected levels,cf,fwd_iters,bwd_iters"),
+        (["--lp", "2,x,1,1"], "every field must be an integer"),
+        (["--lp", "1,4,1,1"], "needs levels >= 2"),
+        (["--steps", "1"], "--steps must be >= 2"),
+    ],
+)
+def test_harness_refuses_bad_settings(depth_bench, argv, match):
+    args = depth_bench.build_parser().parse_args(argv)
+    with pytest.raises(ValueError, match=match):
+        depth_bench.check_settings(args)
+
+
+def test_harness_runs_and_serial_forward_option(depth_bench):
+    args = depth_bench.build_parser().parse_args([])
+    runs = depth_bench.check_settings(args)
+    labels = [r.label for r in runs]
+    assert labels[0] == "serial (1 process)"
+    assert "1F1B M=1" not in labels and "1F1B M=2" in labels  # 1F1B needs M >= 2
+    assert sum(r.kind == "gpipe" for r in runs) == 4
+    if depth_bench.has_serial_forward():
+        assert depth_bench.parse_lp("2,4,serial,1").fwd_iters == 0
+    else:  # refused with the option's name, not silently run as MGRIT
+        with pytest.raises(ValueError, match="forward_solver='serial'"):
+            depth_bench.parse_lp("2,4,serial,1")
