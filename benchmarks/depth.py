@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import datetime
 import gc
 import inspect
@@ -158,6 +159,13 @@ def _status_mb(field: str) -> float:
 
 
 def _reset_hwm() -> None:
+    """Return freed heap to the system, then reset the peak RSS, so that VmHWM
+    measures this run and not memory that earlier runs freed but the heap kept."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak may include freed heap
+        pass
     with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS
         f.write("5")
 
@@ -233,7 +241,6 @@ def _gather_weights(run: Run, model: GPT) -> dict[str, torch.Tensor]:
 
 
 def _measure_run(run: Run, args, depth: int, batches, eval_batch) -> dict:
-    gc.collect()
     _reset_hwm()
     base = _status_mb("VmRSS")
     model = _model(args, depth)
@@ -418,7 +425,7 @@ def print_projection(args, settings: list[MGRITSetting], res: dict) -> dict:
             f"\n## Projected, {name}: best pipeline step / MGRIT step "
             "(> 1: layer-parallel faster, **bold**; -: a layout cannot run)\n"
         )
-        print("| N | " + " | ".join(f"P={p}" for p in ranks) + " | crossover |")
+        print("| N | " + " | ".join(f"P={p}" for p in ranks) + " | MGRIT faster at |")
         print("|---|" + "---|" * (len(ranks) + 1))
         for n in depths:
             row = []
@@ -430,8 +437,9 @@ def print_projection(args, settings: list[MGRITSetting], res: dict) -> dict:
                     continue
                 r = c.pipeline / c.mgrit
                 row.append(f"**{r:.2f}**" if r > 1 else f"{r:.2f}")
-            cross = crossover(cells, n)
-            print(f"| {n} | " + " | ".join(row) + f" | {cross or 'none'} |")
+            wins = [c.ranks for c in cells if c.depth == n and c.lp_wins]
+            where = ", ".join(f"P={p}" for p in wins) if wins else "nowhere"
+            print(f"| {n} | " + " | ".join(row) + f" | {where} |")
     return out
 
 
@@ -460,7 +468,7 @@ def plot(path: str, cells_by_model: dict) -> None:
         yscale="log",
         xlabel="ranks P",
         ylabel="speedup over serial",
-        title=f"step time projected ({name})",
+        title=f"projected speedup over serial (messages: {name})",
     )
     ax1.set_xscale("log", base=2)
     ax1.legend(fontsize=7, ncol=2)
@@ -469,7 +477,7 @@ def plot(path: str, cells_by_model: dict) -> None:
     ax2.set(
         xlabel="ranks P",
         ylabel="best pipeline step / MGRIT step",
-        title="> 1: layer-parallel faster (dotted: crossover)",
+        title="> 1: layer-parallel faster (dotted: first crossover)",
     )
     ax2.legend(fontsize=8)
     fig.tight_layout()
