@@ -53,7 +53,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lp_speedup import layer_times  # noqa: E402  (the four kinds of layer step)
+# one sample per call of the four kinds of layer step the solvers perform
+from lp_speedup import _LayerSampler  # noqa: E402
 
 from leantrain.data import TokenBatches, load_stdlib_text  # noqa: E402
 from leantrain.layer_parallel import LayerParallel  # noqa: E402
@@ -315,23 +316,33 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
         held = TokenBatches(text.val, block_size=args.tokens, batch_size=32, seed=1)
         eval_batch = next(iter(held))
         results: dict = {"comm": _comm_model(), "depths": {}}
+        # Layer times of each micro-batch size, sampled on both processes at once
+        # (busy, as in the parallel runs) between the runs, so that they see the
+        # same machine load as the runs; one warm-up sample each.
+        block = copy.deepcopy(_model(args, 4).stack.steps[0])
+        x = torch.randn(args.batch, args.tokens, args.d)
+        samplers = {
+            m: _LayerSampler(block, x[: args.batch // m], 1 / 64)
+            for m in sorted({1, *args.micro_batches})
+        }
+        for sampler in samplers.values():
+            sampler()
+            sampler.samples.clear()
+        per_round = max(1, -(-args.layer_reps // (len(args.depths) * len(runs))))
+        results["act"] = _activation_bytes(block, x, 1 / 64)
+        results["state_bytes"] = float(x.numel() * x.element_size())
         for depth in args.depths:
             rows = {}
             for run in runs:
                 rows[run.label] = _measure_run(run, args, depth, batches, eval_batch)
-                if rank == 0:
-                    print(f"  N={depth} {run.label}: {rows[run.label]}", flush=True)
+                dist.barrier()
+                for sampler in samplers.values():
+                    for _ in range(per_round):
+                        sampler()
             results["depths"][depth] = rows
-        # Layer times of each micro-batch size with both processes busy, as in the
-        # pipeline and layer-parallel runs.
-        block = copy.deepcopy(_model(args, 4).stack.steps[0])
-        x = torch.randn(args.batch, args.tokens, args.d)
-        results["times"] = {
-            m: layer_times(block, x[: args.batch // m], 1 / 64, args.layer_reps)
-            for m in sorted({1, *args.micro_batches})
-        }
-        results["act_bytes"] = _activation_bytes(block, x, 1 / 64)
-        results["state_bytes"] = float(x.numel() * x.element_size())
+            results["times"] = {m: smp.times() for m, smp in samplers.items()}
+            if rank == 0:  # each depth's table as soon as it is measured
+                print_measured(args, runs, results, only=depth)
         if rank == 0:
             queue.put(results)
         dist.barrier()
@@ -357,15 +368,18 @@ def measure(args, runs: list[Run]) -> dict:
     return results
 
 
-def _predict(run: Run, depth: int, res: dict) -> float:
-    times, comm, sb = res["times"], res["comm"], res["state_bytes"]
+def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
+    """Simulated step seconds, and the activation bytes each rank holds at its peak
+    (a layer's saved tensors times the layers and micro-batches in flight)."""
+    times, comm, sb, act = (res[k] for k in ("times", "comm", "state_bytes", "act"))
     full = times[1]
     if run.kind == "serial":
-        return depth * full.serial_step
-    if run.kind == "lp":
-        return run.lp.step(depth, RANKS, full, comm, sb)
+        return depth * full.serial_step, [depth * act, 0.0]
+    if run.kind == "lp":  # the final sweep keeps the graphs of the rank's layers
+        per_rank = depth // RANKS * act
+        return run.lp.step(depth, RANKS, full, comm, sb), [per_rank] * RANKS
     m = run.micro_batches
-    return simulate_pipeline(
+    r = simulate_pipeline(
         depth,
         RANKS,
         m,
@@ -374,37 +388,48 @@ def _predict(run: Run, depth: int, res: dict) -> float:
         comm=comm,
         state_bytes=sb / m,
         serial_times=full,
-    ).step
+        layer_activation_bytes=act / m,
+    )
+    return r.step, list(r.activation_bytes)
 
 
-def print_measured(args, runs: list[Run], res: dict) -> None:
+def print_measured(args, runs: list[Run], res: dict, only: int | None = None) -> None:
+    """The part-1 tables (of depth ``only``, with the layer times sampled so far)."""
     comm = res["comm"]
+    so_far = " so far" if only else ""
     print(
-        f"\n## Measured: GPT d={args.d}, {args.heads} heads, batch {args.batch}, "
-        f"{args.tokens} tokens, fp32, {args.steps} AdamW steps, 2 gloo processes x 1 "
-        f"thread; load average {os.getloadavg()[0]:.1f}"
+        f"\n## Measured{so_far}: GPT d={args.d}, {args.heads} heads, batch "
+        f"{args.batch}, {args.tokens} tokens, fp32, {args.steps} AdamW steps, "
+        f"2 gloo processes x 1 thread; load average {os.getloadavg()[0]:.1f}"
     )
     print(
         f"message {comm.latency * 1e6:.0f} us + {comm.bandwidth / 1e6:.0f} MB/s; layer"
         " ms (fwd / fwd+graph / vjp / vjp+params) per micro-batch count: "
         + "; ".join(f"M={m}: {_ms(t)}" for m, t in res["times"].items())
+        + f"; a layer saves {res['act'] / 2**20:.1f} MB for its backward (batch)"
     )
+    sys.stdout.flush()
     for depth, rows in res["depths"].items():
+        if only is not None and depth != only:
+            continue
         serial = rows[runs[0].label]["step"]
         print(f"\n### N = {depth}\n")
         print(
             "| run | step s | vs serial (time ratio) | predicted s | pred/meas "
-            "| held-out loss | peak MB (rise) rank 0 / 1 |"
+            "| held-out loss | peak MB (rise) rank 0 / 1 | model activations MB |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for run in runs:
             r = rows[run.label]
-            pred = _predict(run, depth, res)
+            pred, act = _predict(run, depth, res)
             peak = " / ".join(f"{p:.0f} ({d:.0f})" for p, d in r["peak"])
+            act_mb = " / ".join(f"{a / 2**20:.0f}" for a in act)
             print(
                 f"| {run.label} | {r['step']:.3f} | {r['step'] / serial:.2f} | "
-                f"{pred:.3f} | {pred / r['step']:.2f} | {r['loss']:.4f} | {peak} |"
+                f"{pred:.3f} | {pred / r['step']:.2f} | {r['loss']:.4f} | {peak} | "
+                f"{act_mb} |"
             )
+    sys.stdout.flush()
 
 
 def _ms(t: LayerTimes) -> str:
@@ -508,7 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=["3,4,1,1", "4,4,1,1"],
         help="more MGRIT settings for the projection only (not trained here)",
     )
-    parser.add_argument("--layer-reps", type=int, default=9)
+    parser.add_argument(
+        "--layer-reps",
+        type=int,
+        default=9,
+        help="layer-time samples per micro-batch size, at least (spread over the runs)",
+    )
     parser.add_argument("--plot", default="depth_projection.png")
     parser.add_argument("--quick", action="store_true", help="tiny sizes")
     return parser
