@@ -1,0 +1,567 @@
+"""Depth: a deep, narrow GPT trained serially, pipeline-parallel and layer-parallel,
+measured side by side on 2 processes and projected to 2..1024 ranks.
+
+Part 1 (measured). For each depth N (16, 32, 64), the same GPT (d_model 128, 4 heads,
+batch 8, 64 tokens, fp32, h = 1/N, AdamW lr 1e-3) starts from the same weights and
+trains ``--steps`` steps on the same stdlib-text batches:
+
+* serial: one process, one thread, plain autograd (rank 1 idles in a barrier);
+* pipeline: ``torch.distributed.pipelining`` on 2 gloo processes, GPipe with 1, 2, 4,
+  8 micro-batches and 1F1B with 2, 4, 8 (1F1B needs M >= stages);
+* layer-parallel: ``LayerParallel(...).distribute()`` on the same 2 processes, for
+  each ``--lp`` setting ``levels,cf,fwd_iters,bwd_iters`` (``fwd_iters`` ``serial``:
+  the exact serial forward with the MGRIT adjoint, ``forward_solver="serial"``,
+  only where LayerParallel has that option).
+
+Each run reports its median step time (steps after the first) as a ratio to serial,
+the loss of the trained weights on a held-out batch (evaluated exactly, serially:
+pipelines reproduce serial training, MGRIT does not), and each rank's peak resident
+memory during the run (VmHWM, reset before the run). The layer times of every
+micro-batch size and the message cost are measured in the same processes, while both
+are busy, and fed to the two simulators; ``pred/meas`` is the simulated 2-process
+step over the measured one.
+
+Part 2 (projected). From those layer times and the measured gloo message cost: step
+time of MGRIT (the best of the ``--lp`` settings and the ``--project-lp`` ones, which
+are timed by the simulator only) and of the best pipeline (schedule and micro-batch
+count up to the batch, layer time of each micro-batch size as measured) for
+P = 2..1024 ranks and N = 16..1024 layers; the crossover where MGRIT wins, and a
+plot.
+
+Run: ``python benchmarks/depth.py`` (``--quick``: tiny sizes, a smoke test);
+``--plot PATH`` for the PNG (default ``depth_projection.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import datetime
+import gc
+import inspect
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# one sample per call of the four kinds of layer step the solvers perform
+from lp_speedup import _LayerSampler  # noqa: E402
+
+from leantrain.data import TokenBatches, load_stdlib_text  # noqa: E402
+from leantrain.layer_parallel import LayerParallel  # noqa: E402
+from leantrain.layer_parallel.pipeline import (  # noqa: E402
+    GPTPipeline,
+    check_pipeline_settings,
+)
+from leantrain.layer_parallel.projection import (  # noqa: E402
+    MGRITSetting,
+    crossover,
+    project,
+)
+from leantrain.layer_parallel.simulate import CommModel, LayerTimes  # noqa: E402
+from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline  # noqa: E402
+from leantrain.models import GPT, GPTConfig, lm_loss  # noqa: E402
+
+RANKS = 2
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training configuration of part 1."""
+
+    kind: str  # "serial", "gpipe", "1f1b", "lp"
+    micro_batches: int = 1
+    lp: MGRITSetting | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "serial":
+            return "serial (1 process)"
+        if self.kind == "lp":
+            return f"layer-parallel {self.lp.label}"
+        return f"{'GPipe' if self.kind == 'gpipe' else '1F1B'} M={self.micro_batches}"
+
+
+def has_serial_forward() -> bool:
+    """Whether this LayerParallel has ``forward_solver`` (exact serial forward)."""
+    return "forward_solver" in inspect.signature(LayerParallel).parameters
+
+
+def parse_lp(spec: str) -> MGRITSetting:
+    """``"levels,cf,fwd_iters,bwd_iters"``; ``fwd_iters`` may be ``serial``.
+
+    Raises:
+        ValueError: naming the spec when it is malformed, or ``serial`` when this
+            LayerParallel has no ``forward_solver`` option.
+    """
+    parts = spec.split(",")
+    if len(parts) != 4:
+        raise ValueError(
+            f"--lp {spec!r}: expected levels,cf,fwd_iters,bwd_iters (e.g. 2,4,1,1)"
+        )
+    if parts[2] == "serial":
+        if not has_serial_forward():
+            raise ValueError(
+                f"--lp {spec!r}: a serial forward needs LayerParallel(forward_solver="
+                "'serial'), which this leantrain's LayerParallel does not have"
+            )
+        parts[2] = "0"
+    try:
+        levels, cf, fwd, bwd = (int(v) for v in parts)
+    except ValueError:
+        raise ValueError(f"--lp {spec!r}: every field must be an integer") from None
+    if levels < 2 or cf < 2 or fwd < 0 or bwd < 1:
+        raise ValueError(
+            f"--lp {spec!r}: needs levels >= 2, cf >= 2, fwd_iters >= 1 (or serial), "
+            "bwd_iters >= 1"
+        )
+    return MGRITSetting(levels, cf, fwd, bwd)
+
+
+def check_settings(args: argparse.Namespace) -> list[Run]:
+    """Every run of part 1, after refusing settings that cannot run.
+
+    Raises:
+        ValueError: naming the depth, micro-batch count or ``--lp`` setting.
+    """
+    settings = [parse_lp(s) for s in args.lp]
+    runs = [Run("serial")]
+    for m in args.micro_batches:
+        for depth in args.depths:
+            check_pipeline_settings(depth, RANKS, args.batch, m, "gpipe")
+        runs.append(Run("gpipe", m))
+    runs += [Run("1f1b", m) for m in args.micro_batches if m >= RANKS]
+    for s in settings:
+        for depth in args.depths:
+            if not s.valid(depth, RANKS):
+                raise ValueError(
+                    f"depth {depth} on {RANKS} ranks: {depth // RANKS} layers per "
+                    f"rank is not a multiple of cf**(levels-1) = "
+                    f"{s.cf ** (s.levels - 1)} for --lp {s.label}"
+                )
+        runs.append(Run("lp", lp=s))
+    if args.steps < 2:
+        raise ValueError(f"--steps must be >= 2 (one warm-up), got {args.steps}")
+    return runs
+
+
+def _status_mb(field: str) -> float:
+    status = open("/proc/self/status").read()
+    return int(re.search(field + r":\s+(\d+)", status).group(1)) / 1024
+
+
+def _reset_hwm() -> None:
+    """Return freed heap to the system, then reset the peak RSS, so that VmHWM
+    measures this run and not memory that earlier runs freed but the heap kept."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak may include freed heap
+        pass
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS
+        f.write("5")
+
+
+def _model(args, depth: int) -> GPT:
+    torch.manual_seed(0)  # identical initial weights on every rank and run
+    cfg = GPTConfig(
+        n_layer=depth,
+        d_model=args.d,
+        n_head=args.heads,
+        block_size=args.tokens,
+        t_final=1.0,
+    )
+    return GPT(cfg)
+
+
+def _train(run: Run, model: GPT, batches, args) -> list[float]:
+    """Train ``model`` in place; returns per-step seconds (the same on all ranks)."""
+    rank = dist.get_rank()
+    if run.kind == "serial":
+        params, step = list(model.parameters()), None
+    elif run.kind == "lp":
+        kw = dict(levels=run.lp.levels, cf=run.lp.cf, bwd_iters=run.lp.bwd_iters)
+        if run.lp.fwd_iters == 0:
+            kw["forward_solver"] = "serial"
+        else:
+            kw["fwd_iters"] = run.lp.fwd_iters
+        model.stack = LayerParallel(model.stack, **kw).distribute()
+        # foreign layers keep grad None, so AdamW leaves them alone
+        params, step = list(model.parameters()), None
+    else:
+        pipe = GPTPipeline(model, run.kind, run.micro_batches, args.batch, args.tokens)
+        params = pipe.parameters()
+        step = pipe.step
+    opt = torch.optim.AdamW(params, lr=args.lr)
+    times = []
+    for x, y in batches:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if run.kind != "serial" or rank == 0:
+            opt.zero_grad(set_to_none=True)
+            if run.kind in ("serial", "lp"):
+                lm_loss(model(x), y).backward()
+            else:
+                step(x, y)
+            opt.step()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor(times)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _gather_weights(run: Run, model: GPT) -> dict[str, torch.Tensor]:
+    """The whole trained model's state on every rank (owners broadcast)."""
+    if run.kind == "serial":
+        src = {n: 0 for n in model.state_dict()}
+    elif run.kind == "lp":
+        model.stack.synchronize_layers()  # embed / head are equal on every rank
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    else:
+        per = model.config.n_layer // RANKS
+        src = {}
+        for name in model.state_dict():
+            m = re.match(r"stack\.steps\.(\d+)\.", name)
+            if m:
+                src[name] = int(m.group(1)) // per
+            else:  # embeddings on the first stage, the head on the last
+                src[name] = 0 if name.startswith(("wte", "wpe")) else RANKS - 1
+    state = model.state_dict()
+    for name, tensor in state.items():
+        dist.broadcast(tensor, src[name])
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _measure_run(run: Run, args, depth: int, batches, eval_batch) -> dict:
+    _reset_hwm()
+    base = _status_mb("VmRSS")
+    model = _model(args, depth)
+    times = _train(run, model, batches, args)
+    peak = torch.tensor([_status_mb("VmHWM"), _status_mb("VmHWM") - base])
+    peaks = [torch.zeros(2) for _ in range(RANKS)]
+    dist.all_gather(peaks, peak)
+    state = _gather_weights(run, model)
+    ref = _model(args, depth)
+    ref.load_state_dict(state)
+    with torch.no_grad():
+        loss = float(lm_loss(ref(eval_batch[0]), eval_batch[1]))
+    del model, ref, state
+    return {
+        "step": statistics.median(times[1:]),
+        "loss": loss,
+        "peak": [p.tolist() for p in peaks],  # per rank: (peak, rise over start)
+    }
+
+
+def _ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
+    """Half the median round trip of ``t`` between this rank and ``peer``."""
+    out = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        if first:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+        if i:
+            out.append((time.perf_counter() - t0) / 2)
+    return statistics.median(out)
+
+
+def _comm_model() -> CommModel:
+    rank = dist.get_rank()
+    lat = _ping(1 - rank, torch.zeros(2), rank == 0, 20)
+    big = torch.zeros(1 << 20)
+    big_t = _ping(1 - rank, big, rank == 0, 5)
+    return CommModel(latency=lat, bandwidth=big.numel() * 4 / max(big_t - lat, 1e-9))
+
+
+def _activation_bytes(block: torch.nn.Module, x: torch.Tensor, dt: float) -> float:
+    """Bytes one layer saves for its backward (distinct storages)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    xi = x.detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(xi, dt)
+    seen.pop(xi.untyped_storage().data_ptr(), None)  # the input is the state
+    return float(sum(seen.values()))
+
+
+def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=3600)
+    )
+    try:
+        text = load_stdlib_text()
+        stream = TokenBatches(
+            text.train, block_size=args.tokens, batch_size=args.batch, seed=0
+        )
+        batches = [b for _, b in zip(range(args.steps), stream, strict=False)]
+        held = TokenBatches(text.val, block_size=args.tokens, batch_size=32, seed=1)
+        eval_batch = next(iter(held))
+        results: dict = {"comm": _comm_model(), "depths": {}}
+        # Layer times of each micro-batch size, sampled on both processes at once
+        # (busy, as in the parallel runs) between the runs, so that they see the
+        # same machine load as the runs; one warm-up sample each.
+        block = copy.deepcopy(_model(args, 4).stack.steps[0])
+        x = torch.randn(args.batch, args.tokens, args.d)
+        samplers = {
+            m: _LayerSampler(block, x[: args.batch // m], 1 / 64)
+            for m in sorted({1, *args.micro_batches})
+        }
+        for sampler in samplers.values():
+            sampler()
+            sampler.samples.clear()
+        per_round = max(1, -(-args.layer_reps // (len(args.depths) * len(runs))))
+        results["act"] = _activation_bytes(block, x, 1 / 64)
+        results["state_bytes"] = float(x.numel() * x.element_size())
+        for depth in args.depths:
+            rows = {}
+            for run in runs:
+                rows[run.label] = _measure_run(run, args, depth, batches, eval_batch)
+                dist.barrier()
+                for sampler in samplers.values():
+                    for _ in range(per_round):
+                        sampler()
+            results["depths"][depth] = rows
+            results["times"] = {m: smp.times() for m, smp in samplers.items()}
+            if rank == 0:  # each depth's table as soon as it is measured
+                print_measured(args, runs, results, only=depth)
+        if rank == 0:
+            queue.put(results)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(args, runs: list[Run]) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, args, runs, queue))
+        for r in range(RANKS)
+    ]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=7200)
+    for p in procs:
+        p.join()
+    return results
+
+
+def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
+    """Simulated step seconds, and the activation bytes each rank holds at its peak
+    (a layer's saved tensors times the layers and micro-batches in flight)."""
+    times, comm, sb, act = (res[k] for k in ("times", "comm", "state_bytes", "act"))
+    full = times[1]
+    if run.kind == "serial":
+        return depth * full.serial_step, [depth * act, 0.0]
+    if run.kind == "lp":  # the final sweep keeps the graphs of the rank's layers
+        per_rank = depth // RANKS * act
+        return run.lp.step(depth, RANKS, full, comm, sb), [per_rank] * RANKS
+    m = run.micro_batches
+    r = simulate_pipeline(
+        depth,
+        RANKS,
+        m,
+        times[m],
+        schedule=run.kind,
+        comm=comm,
+        state_bytes=sb / m,
+        serial_times=full,
+        layer_activation_bytes=act / m,
+    )
+    return r.step, list(r.activation_bytes)
+
+
+def print_measured(args, runs: list[Run], res: dict, only: int | None = None) -> None:
+    """The part-1 tables (of depth ``only``, with the layer times sampled so far)."""
+    comm = res["comm"]
+    so_far = " so far" if only else ""
+    print(
+        f"\n## Measured{so_far}: GPT d={args.d}, {args.heads} heads, batch "
+        f"{args.batch}, {args.tokens} tokens, fp32, {args.steps} AdamW steps, "
+        f"2 gloo processes x 1 thread; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"message {comm.latency * 1e6:.0f} us + {comm.bandwidth / 1e6:.0f} MB/s; layer"
+        " ms (fwd / fwd+graph / vjp / vjp+params) per micro-batch count: "
+        + "; ".join(f"M={m}: {_ms(t)}" for m, t in res["times"].items())
+        + f"; a layer saves {res['act'] / 2**20:.1f} MB for its backward (batch)"
+    )
+    sys.stdout.flush()
+    for depth, rows in res["depths"].items():
+        if only is not None and depth != only:
+            continue
+        serial = rows[runs[0].label]["step"]
+        print(f"\n### N = {depth}\n")
+        print(
+            "| run | step s | vs serial (time ratio) | predicted s | pred/meas "
+            "| held-out loss | peak MB (rise) rank 0 / 1 | model activations MB |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for run in runs:
+            r = rows[run.label]
+            pred, act = _predict(run, depth, res)
+            peak = " / ".join(f"{p:.0f} ({d:.0f})" for p, d in r["peak"])
+            act_mb = " / ".join(f"{a / 2**20:.0f}" for a in act)
+            print(
+                f"| {run.label} | {r['step']:.3f} | {r['step'] / serial:.2f} | "
+                f"{pred:.3f} | {pred / r['step']:.2f} | {r['loss']:.4f} | {peak} | "
+                f"{act_mb} |"
+            )
+    sys.stdout.flush()
+
+
+def _ms(t: LayerTimes) -> str:
+    parts = (t.forward, t.forward_record, t.backward, t.backward_params)
+    return " / ".join(f"{v * 1e3:.1f}" for v in parts)
+
+
+def print_projection(args, settings: list[MGRITSetting], res: dict) -> dict:
+    depths = [16, 32, 64, 128, 256, 512, 1024]
+    ranks = [2**k for k in range(1, 11)]
+    # CPU layer steps dwarf any message here; a GPU projection needs GPU layer times
+    models = {"gloo as measured": res["comm"]}
+    out = {}
+    for name, comm in models.items():
+        cells = project(depths, ranks, res["times"], settings, comm, res["state_bytes"])
+        out[name] = cells
+        print(
+            f"\n## Projected, {name}: best pipeline step / MGRIT step "
+            "(> 1: layer-parallel faster, **bold**; -: a layout cannot run)\n"
+        )
+        print("| N | " + " | ".join(f"P={p}" for p in ranks) + " | MGRIT faster at |")
+        print("|---|" + "---|" * (len(ranks) + 1))
+        for n in depths:
+            row = []
+            for c in cells:
+                if c.depth != n:
+                    continue
+                if c.pipeline is None or c.mgrit is None:
+                    row.append("-")
+                    continue
+                r = c.pipeline / c.mgrit
+                row.append(f"**{r:.2f}**" if r > 1 else f"{r:.2f}")
+            wins = [c.ranks for c in cells if c.depth == n and c.lp_wins]
+            where = ", ".join(f"P={p}" for p in wins) if wins else "nowhere"
+            print(f"| {n} | " + " | ".join(row) + f" | {where} |")
+    return out
+
+
+def plot(path: str, cells_by_model: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name, cells = next(iter(cells_by_model.items()))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, n in enumerate((16, 64, 256, 1024)):
+        row = [c for c in cells if c.depth == n]
+        color = f"C{i}"
+        pts = [(c.ranks, c.serial / c.mgrit) for c in row if c.mgrit]
+        ax1.plot(*zip(*pts, strict=True), "-o", color=color, label=f"MGRIT N={n}")
+        pts = [(c.ranks, c.serial / c.pipeline) for c in row if c.pipeline]
+        ax1.plot(*zip(*pts, strict=True), "--", color=color, label=f"pipeline N={n}")
+        pts = [(c.ranks, c.pipeline / c.mgrit) for c in row if c.mgrit and c.pipeline]
+        ax2.plot(*zip(*pts, strict=True), "-o", color=color, label=f"N={n}")
+        cross = crossover(cells, n)
+        if cross:
+            ax2.axvline(cross, color=color, lw=0.8, ls=":")
+    ax1.set(
+        xscale="log",
+        yscale="log",
+        xlabel="ranks P",
+        ylabel="speedup over serial",
+        title=f"projected speedup over serial (messages: {name})",
+    )
+    ax1.set_xscale("log", base=2)
+    ax1.legend(fontsize=7, ncol=2)
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_xscale("log", base=2)
+    ax2.set(
+        xlabel="ranks P",
+        ylabel="best pipeline step / MGRIT step",
+        title="> 1: layer-parallel faster (dotted: first crossover)",
+    )
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--lp",
+        nargs="+",
+        default=["2,4,1,1", "2,4,2,1"],
+        help="MGRIT settings levels,cf,fwd_iters,bwd_iters (fwd_iters 'serial': "
+        "exact forward, MGRIT adjoint)",
+    )
+    parser.add_argument(
+        "--project-lp",
+        nargs="*",
+        default=["3,4,1,1", "4,4,1,1"],
+        help="more MGRIT settings for the projection only (not trained here)",
+    )
+    parser.add_argument(
+        "--layer-reps",
+        type=int,
+        default=9,
+        help="layer-time samples per micro-batch size, at least (spread over the runs)",
+    )
+    parser.add_argument("--plot", default="depth_projection.png")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.depths, args.d, args.heads, args.tokens = [8, 16], 32, 2, 16
+        args.steps, args.layer_reps = 3, 3
+    if has_serial_forward() and not any(",serial," in s for s in args.lp):
+        args.lp.append("2,4,serial,1")
+    runs = check_settings(args)
+    for spec in args.project_lp:
+        parse_lp(spec)  # refuse a malformed one before the long measurement
+    start = time.perf_counter()
+    res = measure(args, runs)
+    print_measured(args, runs, res)
+    settings = [r.lp for r in runs if r.kind == "lp"]
+    settings += [parse_lp(spec) for spec in args.project_lp]
+    plot(args.plot, print_projection(args, settings, res))
+    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
