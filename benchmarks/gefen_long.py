@@ -290,19 +290,24 @@ def format_table(records: list[dict], config: Config, settings: list[str]) -> st
     steps = [round(config.steps * p) for p in POINTS]
     head = [f"{p:.0%} ({s})" for p, s in zip(POINTS, steps, strict=True)]
     lines = [
-        f"GPT d={config.d_model}, {config.n_layer} blocks, "
+        f"GPT d={config.d_model}, n_layer {config.n_layer}, "
         f"context {config.block_size}, "
         f"batch {config.batch_size}, {config.steps} steps, lr {config.lr} "
         f"(warm-up {config.warmup}, cosine to 10 %); validation loss / AdamW's "
         "(same seed): geometric mean [95 % interval]",
-        "| setting | seeds | B/param | " + " | ".join(head) + " | train loss, end |",
-        "|---" * (len(head) + 4) + "|",
+        "| setting | seeds | B/param | "
+        + " | ".join(head)
+        + " | train loss, end | end, per seed |",
+        "|---" * (len(head) + 5) + "|",
     ]
     order = [s for s in settings if s in table] + sorted(set(table) - set(settings))
     for setting in order:
         row = table[setting]
         cells = [_cell(row["val"][s]) for s in steps] + [_cell(row["train"][steps[-1]])]
-        seeds = ",".join(str(s) for s in sorted(row["seeds"]))
+        # Each seed's end ratio, in the order of the seeds column.
+        by_seed = sorted(zip(row["seeds"], row["val"][steps[-1]], strict=True))
+        cells.append(" ".join(f"{r:.3f}" for _, r in by_seed))
+        seeds = ",".join(str(s) for s, _ in by_seed)
         lines.append(
             f"| {setting} | {seeds} | {row['bytes']:.3f} | " + " | ".join(cells) + " |"
         )

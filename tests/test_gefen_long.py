@@ -84,10 +84,11 @@ def test_ratios_and_interval_match_a_hand_computation(bench):
     row = next(line for line in text.splitlines() if line.startswith("| 8:auto |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "0,1,2"
-    assert cells[-2] == expected  # the end of training
+    assert cells[-3] == expected  # the end of training
     halfway = [1.0 + (r - 1.0) * (n // 2) / n for r in ratios]
     assert cells[4] == bench._cell(halfway)  # 50 %: the ratio of that step
-    assert cells[-1] == "1.500 [1.500, 1.500]"
+    assert cells[-2] == "1.500 [1.500, 1.500]"
+    assert cells[-1] == " ".join(f"{r:.3f}" for r in ratios)
 
 
 def test_groups_cover_the_gpt_and_the_swap_makes_an_element_group(bench):
