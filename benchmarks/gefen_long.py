@@ -315,7 +315,8 @@ def format_table(records: list[dict], config: Config, settings: list[str]) -> st
         r for r in records if r["setting"] == "adamw" and r["config"] == asdict(config)
     ]
     if adamw:
-        finals = [r["evals"][-1]["val"] for r in adamw]
+        finals = [r["evals"][-1]["val"] for r in sorted(adamw, key=lambda r: r["seed"])]
+        lines.append("")  # a paragraph of its own, not a row of the table
         lines.append(
             f"AdamW's final validation loss: {', '.join(f'{v:.4f}' for v in finals)}"
         )
