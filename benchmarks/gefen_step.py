@@ -31,6 +31,14 @@ Usage::
     python benchmarks/gefen_step.py                 # 25M elements, 2 threads
     python benchmarks/gefen_step.py --numel 4000000 --threads 1 --repeats 9
     python benchmarks/gefen_step.py --threads 1 --clock cpu   # on a busy machine
+    python benchmarks/gefen_step.py --model stack --threads 2 --repeats 9
+    python benchmarks/gefen_step.py --model gpt --threads 1 --repeats 31
+
+``--model stack`` (a 29.3 M-parameter transformer-like stack) and ``--model gpt``
+(GPT.default(), about 60 small tensors) time whole-model ``opt.step`` calls instead:
+Gefen 8-bit and 4-bit at their defaults against both AdamWs, with each step's
+effective bandwidth beside a ``p.add_(g)`` over the same tensors (see
+``gefen_step_models.py``). ``LEANTRAIN_NO_NATIVE=1`` times the PyTorch fallback.
 """
 
 from __future__ import annotations
@@ -40,8 +48,10 @@ import ctypes
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -51,6 +61,9 @@ from leantrain.optim._step import reference_step
 from leantrain.optim._torch_step import torch_step
 from leantrain.optim.codebook import histogram, learn_codebook, with_exact_zero
 from leantrain.optim.factored import factor_shape
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gefen_step_models  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -207,10 +220,24 @@ def main() -> None:
         default="wall",
         help="cpu: process CPU time (use with --threads 1 on a busy machine)",
     )
+    parser.add_argument(
+        "--model",
+        choices=("tensor", *gefen_step_models.MODELS),
+        default="tensor",
+        help="tensor: one large tensor, every kernel option; stack, gpt: whole-model "
+        "opt.step with the bandwidth reference",
+    )
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
+    if args.model != "tensor":
+        print(
+            f"torch {torch.__version__}, {args.clock} clock, Gefen backend: "
+            f"{_fused.backend()} ({_native.status()})"
+        )
+        gefen_step_models.run(args.model, args.repeats, CLOCK, peak_extra_bytes)
+        return
     n, p = args.numel, args.period
     print(
         f"one fp32 tensor of {n:,} elements, period {p}, {args.threads} threads, "
