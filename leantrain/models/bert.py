@@ -77,7 +77,7 @@ class BERT(nn.Module):
             raise ValueError(
                 f"sequence length {T} exceeds block_size={self.config.block_size}"
             )
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(T, device=idx.device)[None]  # (1, T), as in GPT
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,7 @@ class EncoderDecoder(nn.Module):
             raise ValueError(
                 f"sequence length {idx.size(1)} exceeds max_len={self.config.max_len}"
             )
-        return torch.arange(idx.size(1), device=idx.device)
+        return torch.arange(idx.size(1), device=idx.device)[None]  # (1, T), as GPT
 
     def embed(
         self, src: torch.Tensor, tgt_in: torch.Tensor

@@ -102,7 +102,9 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {T} exceeds block_size={self.config.block_size}"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        # (1, T): broadcast over the batch, as HF models pass position ids, so a
+        # curvature hook sees a leading batch dim it can expand (docs/precond.md).
+        pos = torch.arange(T, device=idx.device)[None]  # (1, T)
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
