@@ -53,9 +53,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# one sample per call of the four kinds of layer step the solvers perform
-from lp_speedup import _LayerSampler  # noqa: E402
-
 from leantrain.data import TokenBatches, load_stdlib_text  # noqa: E402
 from leantrain.layer_parallel import LayerParallel  # noqa: E402
 from leantrain.layer_parallel.pipeline import (  # noqa: E402
@@ -69,6 +66,7 @@ from leantrain.layer_parallel.projection import (  # noqa: E402
 )
 from leantrain.layer_parallel.simulate import CommModel, LayerTimes  # noqa: E402
 from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline  # noqa: E402
+from leantrain.layer_parallel.timing import LayerSampler  # noqa: E402
 from leantrain.models import GPT, GPTConfig, lm_loss  # noqa: E402
 
 RANKS = 2
@@ -322,7 +320,7 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
         block = copy.deepcopy(_model(args, 4).stack.steps[0])
         x = torch.randn(args.batch, args.tokens, args.d)
         samplers = {
-            m: _LayerSampler(block, x[: args.batch // m], 1 / 64)
+            m: LayerSampler(block, x[: args.batch // m], 1 / 64)
             for m in sorted({1, *args.micro_batches})
         }
         for sampler in samplers.values():
