@@ -76,12 +76,14 @@ def tiny_gpt(seed: int = 0) -> GPT:
     return GPT(config).double()
 
 
-def batches(n: int, batch: int = B, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+def batches(
+    n: int, batch: int = B, seed: int = 1, seq: int = T
+) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
     return [
         (
-            torch.randint(0, VOCAB, (batch, T), generator=g),
-            torch.randint(0, VOCAB, (batch, T), generator=g),
+            torch.randint(0, VOCAB, (batch, seq), generator=g),
+            torch.randint(0, VOCAB, (batch, seq), generator=g),
         )
         for _ in range(n)
     ]
@@ -174,17 +176,28 @@ def test_preconditioned_gradient_differs_from_plain():
 
 
 @pytest.mark.parametrize(
-    "case", ["kfac-emp-schedule", "kfac-mc-low-rank", "ekfac-emp", "ng_diag-emp"]
+    ("case", "fisher"),
+    [
+        ("kfac-emp-schedule", "fisher_emp"),
+        ("kfac-mc-low-rank", "fisher_emp"),
+        ("ekfac-emp", "fisher_emp"),
+        ("ng_diag-emp", "fisher_emp"),
+        ("kfac-mc-low-rank", "fisher_exact"),
+        ("kfac-emp-schedule", "fisher_exact"),
+    ],
 )
-def test_accumulation_equals_the_union_batch(case):
+def test_accumulation_equals_the_union_batch(case, fisher):
     # Two micro-batches whose losses sum to the mean over their union (the HF
     # Trainer / Lightning convention) give the maker's step on the union batch.
-    # Empirical Fisher: Monte-Carlo draws on two micro-batches are not one draw on
-    # their union (the same estimator, other samples).
+    # Empirical Fisher: the loop's output-gradients rescaled; exact Fisher: each
+    # micro-batch's vectors rescaled to the union's. (Monte-Carlo draws on two
+    # micro-batches are other samples than one draw on their union.)
     method, config, kwargs = CASES[case]
-    kwargs = {**kwargs, "fisher_type": "fisher_emp"}
+    kwargs = {**kwargs, "fisher_type": fisher}
     model = tiny_gpt()
-    data = batches(4, batch=2 * B)
+    # The exact Fisher back-propagates one vector per position and class: short
+    # sequences.
+    data = batches(4, batch=2 * B, seq=2 if fisher == "fisher_exact" else T)
     want, _ = reference_run(method, config, kwargs, copy.deepcopy(model), data)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05)
     got = record_steps(sgd, model)
