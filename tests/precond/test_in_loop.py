@@ -379,3 +379,25 @@ def test_gefen_applies_the_preconditioned_gradient():
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
     assert not torch.equal(model.lm_head.weight, tiny_gpt().lm_head.weight)
+
+
+def test_hooks_only_before_curvature_steps_and_close_removes_them():
+    model = tiny_gpt()
+    config = {"curvature_interval": 2, "preconditioner_interval": 2, **IGNORE}
+    opt = precondition_in_loop(
+        torch.optim.SGD(model.parameters(), lr=0.05), model, "kfac", config=config
+    )
+
+    def hooked() -> int:
+        return sum(len(m._forward_hooks) for m in model.modules())
+
+    assert hooked() > 0  # step 0 updates the curvature
+    ((x, t),) = batches(1)
+    lm_loss(model(x), t).backward()
+    opt.step()
+    assert hooked() == 0  # step 1 does not: no hooks, no cost
+    lm_loss(model(x), t).backward()
+    opt.step()
+    assert hooked() > 0
+    opt.close()
+    assert hooked() == 0
