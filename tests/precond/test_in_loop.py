@@ -401,3 +401,12 @@ def test_hooks_only_before_curvature_steps_and_close_removes_them():
     assert hooked() > 0
     opt.close()
     assert hooked() == 0
+
+
+def test_more_than_one_process_is_refused(monkeypatch):
+    import leantrain.precond.in_loop as in_loop
+
+    monkeypatch.setattr(in_loop, "_is_distributed", lambda: True)
+    model = tiny_gpt()
+    with pytest.raises(NotImplementedError, match="single process"):
+        precondition_in_loop(torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac")
