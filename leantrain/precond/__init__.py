@@ -1,8 +1,10 @@
 """Gradient preconditioning behind one interface: the gradient makers.
 
 A :class:`GradientMaker` owns forward + backward; preconditioned makers add curvature
-work, scheduled by a :class:`PreconditioningConfig`. :func:`curvature` computes a
-Fisher / GGN / Hessian in one of five representations. See ``docs/precond.md``.
+work, scheduled by a :class:`PreconditioningConfig`. Where a trainer owns forward
+and backward, :class:`PreconditionedOptimizer` (:func:`precondition_in_loop`) applies a
+maker from inside ``optimizer.step()``. :func:`curvature` computes a Fisher / GGN /
+Hessian in one of five representations. See ``docs/precond.md``.
 """
 
 from leantrain.precond.curv import (

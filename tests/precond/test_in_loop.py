@@ -76,12 +76,14 @@ def tiny_gpt(seed: int = 0) -> GPT:
     return GPT(config).double()
 
 
-def batches(n: int, batch: int = B, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+def batches(
+    n: int, batch: int = B, seed: int = 1, seq: int = T
+) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
     return [
         (
-            torch.randint(0, VOCAB, (batch, T), generator=g),
-            torch.randint(0, VOCAB, (batch, T), generator=g),
+            torch.randint(0, VOCAB, (batch, seq), generator=g),
+            torch.randint(0, VOCAB, (batch, seq), generator=g),
         )
         for _ in range(n)
     ]
@@ -174,17 +176,28 @@ def test_preconditioned_gradient_differs_from_plain():
 
 
 @pytest.mark.parametrize(
-    "case", ["kfac-emp-schedule", "kfac-mc-low-rank", "ekfac-emp", "ng_diag-emp"]
+    ("case", "fisher"),
+    [
+        ("kfac-emp-schedule", "fisher_emp"),
+        ("kfac-mc-low-rank", "fisher_emp"),
+        ("ekfac-emp", "fisher_emp"),
+        ("ng_diag-emp", "fisher_emp"),
+        ("kfac-mc-low-rank", "fisher_exact"),
+        ("kfac-emp-schedule", "fisher_exact"),
+    ],
 )
-def test_accumulation_equals_the_union_batch(case):
+def test_accumulation_equals_the_union_batch(case, fisher):
     # Two micro-batches whose losses sum to the mean over their union (the HF
     # Trainer / Lightning convention) give the maker's step on the union batch.
-    # Empirical Fisher: Monte-Carlo draws on two micro-batches are not one draw on
-    # their union (the same estimator, other samples).
+    # Empirical Fisher: the loop's output-gradients rescaled; exact Fisher: each
+    # micro-batch's vectors rescaled to the union's. (Monte-Carlo draws on two
+    # micro-batches are other samples than one draw on their union.)
     method, config, kwargs = CASES[case]
-    kwargs = {**kwargs, "fisher_type": "fisher_emp"}
+    kwargs = {**kwargs, "fisher_type": fisher}
     model = tiny_gpt()
-    data = batches(4, batch=2 * B)
+    # The exact Fisher back-propagates one vector per position and class: short
+    # sequences.
+    data = batches(4, batch=2 * B, seq=2 if fisher == "fisher_exact" else T)
     want, _ = reference_run(method, config, kwargs, copy.deepcopy(model), data)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05)
     got = record_steps(sgd, model)
@@ -366,3 +379,34 @@ def test_gefen_applies_the_preconditioned_gradient():
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15)
     assert not torch.equal(model.lm_head.weight, tiny_gpt().lm_head.weight)
+
+
+def test_hooks_only_before_curvature_steps_and_close_removes_them():
+    model = tiny_gpt()
+    config = {"curvature_interval": 2, "preconditioner_interval": 2, **IGNORE}
+    opt = precondition_in_loop(
+        torch.optim.SGD(model.parameters(), lr=0.05), model, "kfac", config=config
+    )
+
+    def hooked() -> int:
+        return sum(len(m._forward_hooks) for m in model.modules())
+
+    assert hooked() > 0  # step 0 updates the curvature
+    ((x, t),) = batches(1)
+    lm_loss(model(x), t).backward()
+    opt.step()
+    assert hooked() == 0  # step 1 does not: no hooks, no cost
+    lm_loss(model(x), t).backward()
+    opt.step()
+    assert hooked() > 0
+    opt.close()
+    assert hooked() == 0
+
+
+def test_more_than_one_process_is_refused(monkeypatch):
+    import leantrain.precond.in_loop as in_loop
+
+    monkeypatch.setattr(in_loop, "_is_distributed", lambda: True)
+    model = tiny_gpt()
+    with pytest.raises(NotImplementedError, match="single process"):
+        precondition_in_loop(torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac")
