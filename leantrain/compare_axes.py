@@ -71,6 +71,11 @@ def _curvature_verdict(summary: dict, config) -> str:
     for r in summary["rows"][1:]:
         if r.status != "ok":
             parts.append(f"{r.name}: {r.status}.")
+        elif r.diverged:
+            parts.append(
+                f"{r.name}: diverged (train loss {r.train_loss:.4g} at the end, "
+                f"against AdamW's final {summary['target']:.4g})."
+            )
         elif r.steps_to_target is None:
             parts.append(f"{r.name}: did not reach AdamW's final loss.")
         else:

@@ -102,6 +102,7 @@ class CurvatureRow:
     val_loss: float
     steps_to_target: int | None
     seconds_to_target: float | None
+    diverged: bool  # finite, but the final train loss is above the first one
 
 
 def summarise(config: CurvatureConfig, results: Mapping) -> dict:
@@ -129,6 +130,7 @@ def summarise(config: CurvatureConfig, results: Mapping) -> dict:
                 val_loss=r.val_loss,
                 steps_to_target=reached,
                 seconds_to_target=seconds,
+                diverged=r.status == "ok" and r.train_loss > r.train_losses[0],
             )
         )
     return {"rows": rows, "target": target, "window": window, "runs": runs}
@@ -142,6 +144,7 @@ COLUMNS = [
     "x AdamW",
     "step ms",
     "x AdamW",
+    "train loss",
     "val loss",
     "note",
 ]
@@ -157,7 +160,7 @@ def table(summary: dict) -> str:
     """Markdown table of the curvature axis, every ratio to AdamW of the same run."""
     rows = summary["rows"]
     base = rows[0]
-    body = [COLUMNS, ["---"] + ["---:"] * 7 + ["---"]]
+    body = [COLUMNS, ["---"] + ["---:"] * 8 + ["---"]]
     for r in rows:
         if r.status != "ok":
             body.append(failed_row(r.name, r.status, r.note, len(COLUMNS)))
@@ -173,8 +176,9 @@ def table(summary: dict) -> str:
                 _ratio(r.seconds_to_target, base.seconds_to_target),
                 fmt(r.step_ms, ".2f"),
                 fmt(r.step_ratio, ".2f"),
-                fmt(r.val_loss, ".4f"),
-                r.note,
+                fmt(r.train_loss, ".4g"),
+                fmt(r.val_loss, ".4g"),
+                ("diverged; " if r.diverged else "") + r.note,
             ]
         )
     return markdown_table(body)
@@ -198,7 +202,9 @@ def explanation(summary: dict) -> str:
         "time of the training steps up to then (the first step, which sets up the "
         "curvature state, included). Step ms: mean whole training step (forward, "
         "backward with the curvature and preconditioning work, optimizer step), "
-        "first step excluded. Methods feed SGD(momentum 0.9) with the registry's "
+        "first step excluded. Train loss: the mean of the last 10 % of steps; "
+        "'diverged' marks a run whose train loss ends above its first one. Methods "
+        "feed SGD(momentum 0.9) with the registry's "
         "learning rate; they build per-layer curvature matrices, so they are meant "
         "for small models."
     )

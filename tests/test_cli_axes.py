@@ -141,10 +141,37 @@ def test_curvature_axis_steps_and_seconds_to_target(tiny, tmp_path, capsys):
         assert r["step_ms"] == pytest.approx(1e3 * sum(timed) / len(timed))
         base = runs["adamw"]["step_ms"]
         assert row[6] == f"{r['step_ms'] / base:.2f}"
+        assert row[7] == f"{r['train_loss']:.4g}"
+        assert row[9].startswith("diverged") == (r["train_loss"] > losses[0])
     # AdamW's last window is the target itself: it always reaches it.
     assert body[0][1] != "-" and body[0][2] == body[0][4] == "1.00"
     # Same init and batches: every row starts from the same loss.
     assert len({round(r["train_losses"][0], 5) for r in runs.values()}) == 1
+
+
+def test_curvature_marks_a_finite_divergence():
+    from leantrain.compare_precond import MethodResult
+
+    def run(name, losses):
+        return MethodResult(
+            name,
+            step_ms=1.0,
+            train_loss=losses[-1],
+            train_losses=losses,
+            step_times=[1e-3] * len(losses),
+        )
+
+    config = dataclasses.replace(TINY_CURVATURE, steps=4, methods=("kfac",))
+    results = {
+        ("curvature", "adamw"): run("adamw", [2.0, 1.5, 1.0, 0.5]),
+        ("curvature", "kfac"): run("kfac", [2.0, 0.4, 30.0, 1e5]),
+    }
+    rows = compare_curvature.summarise(config, results)["rows"]
+    assert [r.diverged for r in rows] == [False, True]
+    # It passed the target on the way up: the steps count, the row says diverged.
+    assert rows[1].steps_to_target == 2
+    table = compare_curvature.table(compare_curvature.summarise(config, results))
+    assert "| 1e+05 |" in table and "diverged; " in table
 
 
 def test_depth_axis_against_the_serial_network_and_the_simulator(
