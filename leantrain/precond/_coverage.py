@@ -11,6 +11,8 @@ once, at construction, naming the modules that are not covered.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -91,7 +93,19 @@ def coverage_of(
     return report
 
 
-def warn_uncovered(maker: str, report: Coverage, stacklevel: int = 3) -> None:
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside
+    ``leantrain.precond`` (makers warn from deep in their ``__init__`` chain)."""
+    frame, level = sys._getframe(1), 1
+    package = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        package
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_uncovered(maker: str, report: Coverage) -> None:
     """One UserWarning naming the modules that are not covered (if any)."""
     if not report.not_covered:
         return
@@ -106,7 +120,7 @@ def warn_uncovered(maker: str, report: Coverage, stacklevel: int = 3) -> None:
         f"{', '.join(parts)}. List them in ignore_modules to accept this (see "
         "maker.coverage()).",
         UserWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -156,7 +170,7 @@ def check_one_site(
                 f"{maker}: parameter {pname!r} is used by the modules {owners} (tied "
                 f"weights); {warn.format(site=repr(mine[0]))}",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
 
