@@ -470,3 +470,24 @@ def test_vit_patch_convolution_inside_an_unsupported_container_is_tracked(method
     torch.testing.assert_close(  # the class token keeps its plain gradient
         model.vit.embeddings.cls_token.grad, ref.vit.embeddings.cls_token.grad
     )
+
+
+def test_diagonal_fisher_with_the_models_own_loss():
+    """``labels=`` and ``setup_loss_repr(y.loss)``: per-example losses of the model's
+    own shifted LM loss; the output keeps its ModelOutput type."""
+    model, ids, _ = make("gpt2")
+    gm = DiagonalEmpiricalFisherGradientMaker(model, PreconditioningConfig(damping=LAM))
+    y = gm.setup_model_call(model, input_ids=ids, labels=ids)
+    gm.setup_loss_repr(y.loss)
+    output, loss = gm.forward_and_backward()
+    assert type(output).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert output.logits.shape == (B, ids.shape[1], VOCAB) and output.loss.shape == (B,)
+    params = dict(model.named_parameters())
+    per_example = []
+    for i in range(B):
+        own = model(input_ids=ids[i : i + 1], labels=ids[i : i + 1]).loss
+        per_example.append(torch.autograd.grad(own, list(params.values())))
+    for k, (pname, _) in enumerate(params.items()):
+        want = torch.stack([g[k] for g in per_example]).square().mean(0)
+        torch.testing.assert_close(gm.curvature[pname], want, rtol=1e-8, atol=1e-14)
+    torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss.detach())
