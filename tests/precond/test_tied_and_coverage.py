@@ -172,3 +172,11 @@ def test_coverage_warns_once_and_ignore_modules_accepts():
         warnings.simplefilter("error")
         gm = KbfgsGradientMaker(model, config)
     assert gm.coverage().ignored == {"1": 8} and not gm.coverage().not_covered
+
+
+def test_a_tied_convolution_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1))
+    model[1].weight = model[0].weight
+    with pytest.raises(ValueError, match=r"'0', '1' share a parameter"):
+        KfacGradientMaker(model)

@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from ._base import ModuleOp, _acc
+from ._conv1d import Conv1dOp
 from ._linear_form import LinearFormOp
+from .modules import EmbeddingOp, LinearOp
 
 __all__ = ["TiedOp", "check_tieable"]
 
@@ -51,7 +53,7 @@ def check_tieable(ops: list[ModuleOp]) -> None:
         )
         biased += bias
         ok = (
-            isinstance(op, LinearFormOp)
+            isinstance(op, (LinearOp, Conv1dOp, EmbeddingOp))
             and (not op.has_bias or bias)
             and own[0] is weight
             and op.canon_index.shape[0] * (op.canon_index.shape[1] - bias)
