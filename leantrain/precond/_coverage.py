@@ -10,15 +10,22 @@ once, at construction, naming the modules that are not covered.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from torch import nn
+
+from leantrain.precond.curv.modules import is_supported_module
 
 __all__ = [
     "Coverage",
     "check_one_site",
     "coverage_of",
+    "hidden_parameters",
     "shared_parameters",
     "warn_uncovered",
 ]
@@ -86,7 +93,19 @@ def coverage_of(
     return report
 
 
-def warn_uncovered(maker: str, report: Coverage, stacklevel: int = 3) -> None:
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside
+    ``leantrain.precond`` (makers warn from deep in their ``__init__`` chain)."""
+    frame, level = sys._getframe(1), 1
+    package = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        package
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_uncovered(maker: str, report: Coverage) -> None:
     """One UserWarning naming the modules that are not covered (if any)."""
     if not report.not_covered:
         return
@@ -101,7 +120,7 @@ def warn_uncovered(maker: str, report: Coverage, stacklevel: int = 3) -> None:
         f"{', '.join(parts)}. List them in ignore_modules to accept this (see "
         "maker.coverage()).",
         UserWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -128,7 +147,17 @@ def check_one_site(
     be preconditioned twice); otherwise warns ``warn`` (if given) for each tied
     parameter that one chosen module preconditions.
     """
+    modules = dict(model.named_modules())
     for pname, owners in shared_parameters(model).items():
+        # A container registering a parameter of its child (BERT's prediction head
+        # holds its decoder's bias) is no second site.
+        owners = [
+            n
+            for n in owners
+            if is_supported_module(modules["" if n == "<root>" else n])
+        ]
+        if len(owners) < 2:
+            continue
         mine = [n for n in owners if n in chosen]
         if len(mine) > 1:
             raise ValueError(
@@ -141,5 +170,26 @@ def check_one_site(
                 f"{maker}: parameter {pname!r} is used by the modules {owners} (tied "
                 f"weights); {warn.format(site=repr(mine[0]))}",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
+
+
+@contextlib.contextmanager
+def hidden_parameters(model: nn.Module, selected: set[str]) -> Iterator[None]:
+    """Set ``requires_grad=False`` on the trainable parameters that no ``selected``
+    module owns, for the duration of the block (a curvature collector built inside
+    then tracks exactly the selected modules); restored on exit.
+
+    A parameter owned by a selected module stays visible even when another module
+    also owns it (a head's bias registered on its container too).
+    """
+    modules = dict(model.named_modules())
+    keep = {id(p) for name in selected for p in modules[name].parameters(recurse=False)}
+    hidden = [p for p in model.parameters() if p.requires_grad and id(p) not in keep]
+    for p in hidden:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in hidden:
+            p.requires_grad_(True)

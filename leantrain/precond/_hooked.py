@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from leantrain import evaluation
+from leantrain.precond._coverage import hidden_parameters
 from leantrain.precond._fisher import FisherMaker
 from leantrain.precond.curv import CurvatureCollector
 from leantrain.precond.curv.modules import ModuleOp
@@ -77,21 +78,17 @@ class HookedMaker(FisherMaker):
     ) -> None:
         super().__init__(model, config, **fisher)
         inner = unwrap_model(model)
-        selected = {name for name, _ in self.modules()}
-        ignored = [
-            name
-            for name, m in inner.named_modules()
-            if name not in selected
-            and any(p.requires_grad for p in m.parameters(recurse=False))
-        ]
-        self._collector = _SiteCollector(
-            inner,
-            shapes=shapes or ("diag",),
-            ignore_modules=ignored,
-            # BatchNorm in training mode: batch statistics treated as constants.
-            allow_batch_coupling=True,
-            check_gradients=False,  # the check costs a per-example pass each step
-        )
+        # The modules left alone are hidden by their parameters, not ignored by
+        # name: a name covers its subtree, which may hold selected modules (a ViT's
+        # embeddings own the class token and hold the patch convolution).
+        with hidden_parameters(inner, {name for name, _ in self.modules()}):
+            self._collector = _SiteCollector(
+                inner,
+                shapes=shapes or ("diag",),
+                # BatchNorm in training mode: batch statistics treated as constants.
+                allow_batch_coupling=True,
+                check_gradients=False,  # the check costs a per-example pass a step
+            )
         self._collector.accumulate_stats = bool(shapes)
         self._collector.keep_sites = keep_sites
         self.ops: dict[str, ModuleOp] = self._collector.ops

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._checks import check_extra_state
+from leantrain.precond._coverage import hidden_parameters
 from leantrain.precond._factored import LinearCapture
 from leantrain.precond._fisher import FisherMaker
 from leantrain.precond._gram import LowRankFactor
@@ -169,21 +170,11 @@ class KronFactorMaker(FisherMaker):
         self._stats: dict[str, dict] = {}
         super().__init__(model, config, **fisher)
         inner = unwrap_model(model)
-        selected = {name for name, _ in self.modules()}
         # The collector refuses modules it cannot handle, and ignoring by name covers
         # a whole subtree (the root's name "" covers everything), so the parameters
         # of every module we leave alone are hidden from it while it is built: they
         # keep their plain gradients and the modules inside them stay tracked.
-        hidden = [
-            p
-            for name, m in inner.named_modules()
-            if name not in selected
-            for p in m.parameters(recurse=False)
-            if p.requires_grad
-        ]
-        for p in hidden:
-            p.requires_grad_(False)
-        try:
+        with hidden_parameters(inner, {name for name, _ in self.modules()}):
             self._collector = _PassCollector(
                 inner,
                 shapes=("kron",),
@@ -192,9 +183,6 @@ class KronFactorMaker(FisherMaker):
                 # A per-example check each step would double the curvature cost.
                 check_gradients=False,
             )
-        finally:
-            for p in hidden:
-                p.requires_grad_(True)
         self.ops: dict[str, ModuleOp] = self._collector.ops
         # Output-gradient / input pairs of the layers whose weight gradient was
         # skipped this step (see LinearCapture); precondition() consumes them.

@@ -50,8 +50,7 @@ def _take(obj: Any, keep: Any, taken: list[Tensor]) -> Any:
         if isinstance(obj, list):
             return items
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return {k: _take(v, keep, taken) for k, v in obj.items()}
+    # Dataclasses first: a Hugging Face ModelOutput is both, and keeps its type so.
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {
             f.name: _take(getattr(obj, f.name), keep, taken)
@@ -59,6 +58,8 @@ def _take(obj: Any, keep: Any, taken: list[Tensor]) -> Any:
             if f.init
         }
         return dataclasses.replace(obj, **changes)
+    if isinstance(obj, dict):
+        return {k: _take(v, keep, taken) for k, v in obj.items()}
     return obj
 
 
@@ -71,8 +72,6 @@ def _put(obj: Any, values: list[Any]) -> Any:
         if isinstance(obj, list):
             return items
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return {k: _put(v, values) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {
             f.name: _put(getattr(obj, f.name), values)
@@ -80,6 +79,8 @@ def _put(obj: Any, values: list[Any]) -> Any:
             if f.init
         }
         return dataclasses.replace(obj, **changes)
+    if isinstance(obj, dict):
+        return {k: _put(v, values) for k, v in obj.items()}
     return obj
 
 

@@ -34,13 +34,23 @@ from leantrain.precond import (
 )
 from leantrain.precond.curv import curvature, dense_empirical_fisher
 
-from .conftest import VOCAB, tiny_gpt2, tiny_llama, token_batch
+from .conftest import (
+    VOCAB,
+    image_batch,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_vit,
+    token_batch,
+)
 
 B, LAM = 3, 1e-2
-MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert}
 TIED = {
     "gpt2": ("transformer.wte", "lm_head"),
     "llama": ("model.embed_tokens", "lm_head"),
+    # The decoder also has a bias, which BertLMPredictionHead registers too.
+    "bert": ("bert.embeddings.word_embeddings", "cls.predictions.decoder"),
 }
 
 
@@ -332,7 +342,7 @@ MAKERS = {
 }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize("method", sorted(MAKERS))
 def test_every_method_runs_and_reports_what_it_leaves_plain(name, method):
     model, ids, targets = make(name)
@@ -432,3 +442,52 @@ def test_conv1d_is_preconditioned_as_the_transposed_linear(method, positions):
     rtol = 1e-5 if method == "hessian_free" else 1e-7
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, rtol=rtol, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["kfac", "natural_gradient", "seng"])
+def test_vit_patch_convolution_inside_an_unsupported_container_is_tracked(method):
+    """ViTEmbeddings owns the class token (no rule: reported) and holds the patch
+    Conv2d (preconditioned): leaving the container alone must not drop its child."""
+    model = tiny_vit(dtype=torch.float64, layers=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = MAKERS[method](model, PreconditioningConfig(damping=LAM, ema_decay=None))
+    report = gm.coverage()
+    assert report.not_covered == {"vit.embeddings": 16 + 5 * 16}  # cls, positions
+    assert sum("vit.embeddings (ViTEmbeddings" in str(w.message) for w in caught) == 1
+    conv = "vit.embeddings.patch_embeddings.projection"
+    assert conv in report.covered and conv in gm.ops
+    x, t = image_batch(4, dtype=torch.float64)
+    model.zero_grad()
+    y = gm.setup_model_call(model, pixel_values=x)
+    gm.setup_loss_call(F.cross_entropy, y.logits, t)
+    gm.forward_and_backward()
+    ref = tiny_vit(dtype=torch.float64, layers=1)
+    F.cross_entropy(ref(pixel_values=x).logits, t).backward()
+    got = model.vit.embeddings.patch_embeddings.projection.weight.grad
+    plain = ref.vit.embeddings.patch_embeddings.projection.weight.grad
+    assert not torch.allclose(got, plain)  # preconditioned, not the plain gradient
+    torch.testing.assert_close(  # the class token keeps its plain gradient
+        model.vit.embeddings.cls_token.grad, ref.vit.embeddings.cls_token.grad
+    )
+
+
+def test_diagonal_fisher_with_the_models_own_loss():
+    """``labels=`` and ``setup_loss_repr(y.loss)``: per-example losses of the model's
+    own shifted LM loss; the output keeps its ModelOutput type."""
+    model, ids, _ = make("gpt2")
+    gm = DiagonalEmpiricalFisherGradientMaker(model, PreconditioningConfig(damping=LAM))
+    y = gm.setup_model_call(model, input_ids=ids, labels=ids)
+    gm.setup_loss_repr(y.loss)
+    output, loss = gm.forward_and_backward()
+    assert type(output).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert output.logits.shape == (B, ids.shape[1], VOCAB) and output.loss.shape == (B,)
+    params = dict(model.named_parameters())
+    per_example = []
+    for i in range(B):
+        own = model(input_ids=ids[i : i + 1], labels=ids[i : i + 1]).loss
+        per_example.append(torch.autograd.grad(own, list(params.values())))
+    for k, (pname, _) in enumerate(params.items()):
+        want = torch.stack([g[k] for g in per_example]).square().mean(0)
+        torch.testing.assert_close(gm.curvature[pname], want, rtol=1e-8, atol=1e-14)
+    torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss.detach())

@@ -26,13 +26,13 @@ from leantrain.precond.curv import dense_empirical_fisher
 class TiedLM(nn.Module):
     """Embedding (V, d) tied to a bias-free head; a broadcast position embedding."""
 
-    def __init__(self, vocab=7, dim=3, seq=4):
+    def __init__(self, vocab=7, dim=3, seq=4, bias=False):
         super().__init__()
         torch.manual_seed(0)
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(seq, dim)
         self.mix = nn.Linear(dim, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=bias)
         self.head.weight = self.wte.weight
 
     def forward(self, ids):
@@ -41,8 +41,9 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.mix(h)))
 
 
-def test_tied_and_broadcast_full_curvature_matches_dense():
-    model = TiedLM().double()
+@pytest.mark.parametrize("bias", [False, True])
+def test_tied_and_broadcast_full_curvature_matches_dense(bias):
+    model = TiedLM(bias=bias).double()
     g = torch.Generator().manual_seed(0)
     ids, t = (
         torch.randint(0, 7, (5, 4), generator=g),
@@ -53,8 +54,11 @@ def test_tied_and_broadcast_full_curvature_matches_dense():
     torch.testing.assert_close(got.to_dense(), want, rtol=1e-9, atol=1e-13)
 
 
-def test_tied_kron_is_the_kronecker_of_sums():
-    model = TiedLM().double()
+@pytest.mark.parametrize("bias", [False, True])
+def test_tied_kron_is_the_kronecker_of_sums(bias):
+    """With a head bias (BERT's decoder) it is a last column: the head's input
+    factor has its trailing 1, the embedding's is zero-padded there."""
+    model = TiedLM(bias=bias).double()
     g = torch.Generator().manual_seed(0)
     ids, t = (
         torch.randint(0, 7, (5, 4), generator=g),
@@ -78,16 +82,22 @@ def test_tied_kron_is_the_kronecker_of_sums():
     e_emb = rec["wte"][1].reshape(-1, 3)
     e_head = rec["head"][1].reshape(-1, 7)
     a_head = rec["head"][0].reshape(-1, 3).detach()
+    if bias:
+        a_head = torch.cat([a_head, torch.ones(a_head.shape[0], 1)], 1)
     counts = torch.bincount(ids.reshape(-1), minlength=7).double()
     rows = torch.diag(counts) / n + e_head.T @ e_head
-    cols = e_emb.T @ e_emb + a_head.T @ a_head / n
+    cols = a_head.T @ a_head / n
+    cols[:3, :3] += e_emb.T @ e_emb
     spec = nn.CrossEntropyLoss(reduction="sum")
     got = curvature(model, spec, ids, t, kind="fisher_emp", shape="kron")
     part = got["wte"]
     torch.testing.assert_close(part.kron[0].B, rows, rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(part.kron[0].A, cols, rtol=1e-10, atol=1e-13)
-    # One site in the parameter's own (V, d) layout.
-    assert torch.equal(part.kron[0].index, torch.arange(21).reshape(7, 3))
+    # One site in the parameter's own (V, d) layout, the bias last.
+    index = torch.arange(21).reshape(7, 3)
+    if bias:
+        index = torch.cat([index, 21 + torch.arange(7).unsqueeze(1)], 1)
+    assert torch.equal(part.kron[0].index, index)
 
 
 def test_a_tie_with_biases_is_refused_naming_the_modules():
@@ -162,3 +172,11 @@ def test_coverage_warns_once_and_ignore_modules_accepts():
         warnings.simplefilter("error")
         gm = KbfgsGradientMaker(model, config)
     assert gm.coverage().ignored == {"1": 8} and not gm.coverage().not_covered
+
+
+def test_a_tied_convolution_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1))
+    model[1].weight = model[0].weight
+    with pytest.raises(ValueError, match=r"'0', '1' share a parameter"):
+        KfacGradientMaker(model)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from ._tied import TiedOp
-from .modules import BatchNormOp, ModuleOp, make_op
+from .modules import BatchNormOp, ModuleOp, is_supported_module, make_op
 
 __all__ = ["build_ops", "resolve_ignored"]
 
@@ -65,12 +65,24 @@ def build_ops(
     ops: dict[str, ModuleOp] = {}
     owner: dict[int, str] = {}  # parameter id -> the first module owning it
     tied: dict[str, list[str]] = {}  # first owner -> every module sharing with it
+    supported_owner = {
+        id(p)
+        for name, m in model.named_modules()
+        if name not in ignored and is_supported_module(m)
+        for p in m.parameters(recurse=False)
+    }
     for name, module in model.named_modules():
         if name in ignored or name in ops:
             continue
         direct = list(module.named_parameters(recurse=False))
         trainable = [p.requires_grad for _, p in direct]
         if not any(trainable):
+            continue
+        if not is_supported_module(module) and all(
+            id(p) in supported_owner for _, p in direct if p.requires_grad
+        ):
+            # A container that also registers a parameter of a supported module
+            # (BERT's prediction head holds its decoder's bias): that module owns it.
             continue
         if not all(trainable):
             frozen = [n for n, p in direct if not p.requires_grad]

@@ -20,9 +20,9 @@ over its sites, ``B_tied = sum_s rows_s`` and ``A_tied = sum_s cols_s``, so its
 curvature is ``B_tied ⊗ A_tied``. For one site it is that site's K-FAC exactly.
 
 Supported sites: ``nn.Linear`` (and subclasses), Hugging Face ``Conv1D`` and
-``nn.Embedding`` whose only trainable parameter is the shared weight (no bias, which
-would be one site's own parameter); anything else raises, naming the parameter and
-its sites.
+``nn.Embedding`` sharing their weight; at most one of them, an ``nn.Linear`` (BERT's
+decoder), may have a bias, which becomes a last canonical column (the embedding's
+column factor is zero there). Anything else raises, naming the parameter's modules.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from ._base import ModuleOp, _acc
+from ._conv1d import Conv1dOp
 from ._linear_form import LinearFormOp
+from .modules import EmbeddingOp, LinearOp
 
 __all__ = ["TiedOp", "check_tieable"]
 
@@ -39,27 +41,36 @@ __all__ = ["TiedOp", "check_tieable"]
 def check_tieable(ops: list[ModuleOp]) -> None:
     """Raise ValueError unless ``ops`` can form a :class:`TiedOp`."""
     names = ", ".join(repr(op.name) for op in ops)
-    first = ops[0].params
-    shared = {id(p) for p in first}
+    weight = ops[0].params[0]
+    biased = 0
     for op in ops:
-        ok = (
+        own = op.params
+        bias = (
             isinstance(op, LinearFormOp)
-            and not op.has_bias
-            and len(op.params) == 1
-            and {id(p) for p in op.params} == shared
-            and op.canon_index.shape[0] * op.canon_index.shape[1] == op.numel
+            and op.has_bias
+            and not op.transposed  # a bias along the weight's rows
+            and len(own) == 2
         )
-        if not ok:
+        biased += bias
+        ok = (
+            isinstance(op, (LinearOp, Conv1dOp, EmbeddingOp))
+            and (not op.has_bias or bias)
+            and own[0] is weight
+            and op.canon_index.shape[0] * (op.canon_index.shape[1] - bias)
+            == weight.numel()
+        )
+        if not ok or biased > 1:
             raise ValueError(
                 f"modules {names} share a parameter (tied weights) in a way no "
                 "curvature rule here covers: every site must be an nn.Linear, "
-                "Conv1D or nn.Embedding whose only trainable parameter is the shared "
-                f"weight (module {op.name!r} is {type(op.module).__name__} with "
-                f"{len(op.params)} parameter(s)); list one of them in ignore_modules"
+                "Conv1D or nn.Embedding sharing its weight, at most one of them (an "
+                f"nn.Linear) with a bias (module {op.name!r} is "
+                f"{type(op.module).__name__} with {len(own)} parameter(s)); list one "
+                "of them in ignore_modules"
             )
-    if first[0].dim() != 2:
+    if weight.dim() != 2:
         raise ValueError(
-            f"modules {names} share a parameter of shape {tuple(first[0].shape)}; "
+            f"modules {names} share a parameter of shape {tuple(weight.shape)}; "
             "tied weights must be 2-D"
         )
 
@@ -80,12 +91,24 @@ class TiedOp(ModuleOp):
         self.members = members
         self.modules = [op.module for op in members]
         self.module = None
-        self.params = list(members[0].params)
-        self.numel = members[0].numel
-        rows, cols = self.params[0].shape
+        weight = members[0].params[0]
+        bias = [op.params[1] for op in members if len(op.params) == 2]
+        self.params = [weight, *bias]
+        self.numel = sum(p.numel() for p in self.params)
+        self.has_bias = bool(bias)
+        rows, cols = weight.shape
         r = torch.arange(rows).unsqueeze(1)
-        self.canon_index = r * cols + torch.arange(cols).unsqueeze(0)
+        index = r * cols + torch.arange(cols).unsqueeze(0)
+        if bias:  # the head's bias: a last column along the weight's rows
+            index = torch.cat([index, rows * cols + r], dim=1)
+        self.canon_index = index
         self._member_of = {id(op.module): i for i, op in enumerate(members)}
+        offsets = {id(weight): 0, **({id(bias[0]): weight.numel()} if bias else {})}
+        # Per member: positions of its flat parameters in this op's flat vector.
+        self._flat = [
+            torch.cat([torch.arange(p.numel()) + offsets[id(p)] for p in op.params])
+            for op in members
+        ]
 
     @property
     def member_names(self) -> list[str]:
@@ -130,12 +153,13 @@ class TiedOp(ModuleOp):
     def per_example(self, data: list, sl: slice) -> torch.Tensor:
         """Sum over the sites of their per-example gradients, in the parameter's
         own ``(R, U)`` layout."""
-        out = None
+        flat = None
         for i, sites in data:
-            flat = self.members[i].per_example_flat(sites, sl)
-            part = flat[:, self.canon_index]
-            out = part if out is None else out + part
-        return out
+            part = self.members[i].per_example_flat(sites, sl)
+            if flat is None:
+                flat = part.new_zeros(part.shape[0], self.numel)
+            flat[:, self._flat[i]] += part
+        return flat[:, self.canon_index]
 
     def _oriented(self, i: int) -> bool:
         """Whether site ``i``'s canonical rows are the parameter's rows (Linear);
@@ -144,7 +168,7 @@ class TiedOp(ModuleOp):
 
     def kron_a(self, calls: list) -> list[torch.Tensor]:
         """The forward-only factor parts, summed: ``[rows, cols]`` of the parameter."""
-        rows, cols = self.params[0].shape
+        rows, cols = self.canon_index.shape
         dtype = self.params[0].dtype
         dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
         out = [self.params[0].new_zeros(rows, rows, dtype=dtype)]
@@ -153,17 +177,18 @@ class TiedOp(ModuleOp):
             if group:
                 a = self.members[i].kron_a(group)[0]
                 side = 1 if self._oriented(i) else 0
-                out[side] = out[side] + a.to(out[side].dtype)
+                out[side] = out[side] + _pad(a.to(out[side].dtype), out[side].shape[0])
         return out
 
     def kron_b(self, data: list) -> list[torch.Tensor]:
         """This pass's output-gradient factor parts, summed: ``[rows, cols]``."""
         out: list[torch.Tensor | None] = [None, None]
+        rows, cols = self.canon_index.shape
         for i, sites in data:
             b = self.members[i].kron_b(sites)[0]
             side = 0 if self._oriented(i) else 1
+            b = _pad(b, (rows, cols)[side])
             out[side] = b if out[side] is None else out[side] + b
-        rows, cols = self.params[0].shape
         ref = next(b for b in out if b is not None)
         return [
             ref.new_zeros(n, n) if b is None else b
@@ -171,7 +196,7 @@ class TiedOp(ModuleOp):
         ]
 
     def site_rows(self, calls: list) -> list[slice]:
-        return [slice(0, self.params[0].shape[0])]
+        return [slice(0, self.canon_index.shape[0])]
 
     def finish_kron(self, stats: dict) -> dict:
         """One site in the parameter's layout: ``B = rows``, ``A = cols`` (sums of
@@ -182,3 +207,15 @@ class TiedOp(ModuleOp):
         stats["A"], stats["B"] = [cols], [rows]
         stats["rows"] = [slice(0, rows.shape[0])]
         return stats
+
+
+def _pad(factor: torch.Tensor, size: int) -> torch.Tensor:
+    """A site's column factor without the bias column, zero-padded to ``size``: the
+    embedding's ``B`` next to a head that has a bias (the embedding does not touch
+    it)."""
+    if factor.shape[0] == size:
+        return factor
+    out = factor.new_zeros(size, size)
+    k = factor.shape[0]
+    out[:k, :k] = factor
+    return out
