@@ -243,6 +243,7 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         curvature_due = self.config.curvature_due(self.step)
         preconditioner_due = self.config.preconditioner_due(self.step)
         if curvature_due:
+            self._check_no_backward_averager()
             output, loss = self._curvature_pass()
             if not self._pass_is_finite(loss):
                 # Overflow (e.g. fp16 under GradScaler) or divergence: this pass's
@@ -291,6 +292,20 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
     def _unwritten_gradients(self) -> list[Tensor]:
         """Gradient pieces of this pass not (yet) in ``.grad``; none by default."""
         return []
+
+    def _check_no_backward_averager(self) -> None:
+        # A data-parallel averager that runs in loss.backward() (the layer-parallel
+        # mesh's GradientAverager) never sees a curvature pass, which writes .grad
+        # itself: each replica would keep its own gradient, silently.
+        if getattr(unwrap_model(self.model), "gradient_averager", None) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the model averages its gradients over data "
+                "parallel replicas in backward (model.gradient_averager, set by "
+                "leantrain.layer_parallel.parallelize), which a curvature pass "
+                "bypasses; use parallelize(model, mesh, config=LayerParallelConfig("
+                "average_gradients=False)) and wrap the model in "
+                "DistributedDataParallel over the mesh's 'dp' group instead"
+            )
 
     # -- helpers for subclasses ----------------------------------------------------
     def _ema_update(self, name: str, value: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from leantrain.layer_parallel import LayerParallel
 from leantrain.models import GPT
 from leantrain.models.gpt import GPTConfig, lm_loss
+from leantrain.precond import unwrap_model
 from leantrain.precond.registry import make_gradient_maker
 from tests.distributed.launch import run_distributed
 
@@ -75,7 +76,8 @@ def _train(gm, model, steps, batch=_batch):
         gm.forward_and_backward()
         if step < steps - 1:
             opt.step()
-    return {n: p.grad for n, p in gm.model.named_parameters() if p.grad is not None}
+    inner = unwrap_model(gm.model)
+    return {n: p.grad for n, p in inner.named_parameters() if p.grad is not None}
 
 
 def _relative(want, got, names):
@@ -157,7 +159,7 @@ def _mesh_kfac(rank, world):
         )
         extra = {"fisher_type": "fisher_emp"} if name == "kfac" else {}
         want = _train(_maker(name, serial, **extra), serial, 2, _union)
-        got = _train(_maker(name, ddp, **extra), layered, 2, half)
+        got = _train(_maker(name, ddp, **extra), ddp, 2, half)
         names = [n for n in _owned_names(layered, layered.stack) if n in want]
         out[name] = _relative(want, got, names)
     return out

@@ -261,3 +261,26 @@ def test_controller_switch_to_serial_keeps_maker_and_gefen_state():
     want, got = serial.params(), run.params()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.slow
+def test_three_axes_example_runs(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "three_axes.png"
+    args = ["--steps", "3", "--layers", "4", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "three_axes.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    assert out.stat().st_size > 0
+    assert "three axes" in done.stdout and "serial AdamW" in done.stdout

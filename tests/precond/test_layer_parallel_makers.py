@@ -209,3 +209,12 @@ def test_inexact_iterations_reported_per_adjoint_solve():
     assert all(r > 0 for r in residuals)
     err = float((want - got).norm() / want.norm())
     assert 1e-8 < err < 1.0  # inexact, but the same curvature, not another one
+
+
+def test_a_backward_gradient_averager_is_refused():
+    # parallelize() with dp > 1 attaches an averager that only runs in backward();
+    # a curvature pass would leave each replica with its own gradient.
+    _, layered = pair()
+    layered.gradient_averager = object()
+    with pytest.raises(RuntimeError, match="DistributedDataParallel"):
+        train(make("kfac", layered), layered)
