@@ -133,11 +133,46 @@ def _quantizer(table: QuantTable) -> _Quantizer:
     return view
 
 
+def static_job(
+    param: Tensor, state: dict, layout: tuple[int, int, int]
+) -> tuple[_Job, tuple]:
+    """The fields of one parameter's job that do not change from step to step
+    (state pointers, sizes, layout, quantizer), and the objects they point into,
+    which the caller keeps alive with the job. :func:`c_job` fills in the rest."""
+    period, block, bits = layout
+    keep: tuple = ()
+    quantizer = None
+    if bits:  # held by the caller too: _quantizer's cache may drop it
+        table = quant_table(state["codebook"])
+        quantizer = _quantizer(table)
+        keep = (table, quantizer)
+    job = _Job(
+        0,
+        0,
+        state["exp_avg_sq"].data_ptr(),
+        state["exp_avg_absmax"].data_ptr() if bits else None,
+        state["exp_avg_codes"].data_ptr() if bits else None,
+        None if bits else state["exp_avg"].data_ptr(),
+        param.numel(),
+        period,
+        block,
+        bits,
+        0,
+        ctypes.addressof(quantizer) if quantizer is not None else None,
+        None,
+        None,
+        int(state["factored"]) if "factored" in state else 0,
+        0.0,
+        0,
+    )
+    return job, keep
+
+
 def c_job(
     param: Tensor,
     grad: Tensor,
     state: dict,
-    hyper: dict[str, float],
+    hyper: dict[str, float] | tuple[float, ...],
     *,
     layout: tuple[int, int, int],
     stochastic: bool,
@@ -146,16 +181,17 @@ def c_job(
     code_key: int | None = None,
     index0: int = 0,
     cbar: float | None = None,
+    static: tuple[_Job, tuple] | None = None,
 ) -> _Job:
     """The kernel's description of one parameter's step (tensors already checked
     by :func:`_c_problem` and ``state_layout``). Its scalars live in ``interned``
     (one object per distinct value: parameters of a group share them), which the
-    caller keeps, with the tensors, until :func:`launch` returns."""
-    period, block, bits = layout
-    quantizer = None
-    if bits:  # held here too: _quantizer's cache may drop it during the launch
-        quantizer = _quantizer(quant_table(state["codebook"]))
-        interned["quantizer", id(quantizer)] = quantizer
+    caller keeps, with the tensors, until :func:`launch` returns. ``hyper``: the
+    dict of ``_fused.hyperparameters`` or its values in ``_Hyper``'s field order;
+    ``static``: this parameter's :func:`static_job`, when the caller keeps one."""
+    bits = layout[2]
+    template, keep = static or static_job(param, state, layout)
+    interned["static", id(template)] = (template, keep)
     io_fields = (
         param.dtype == torch.bfloat16,
         grad.dtype == torch.bfloat16,
@@ -170,29 +206,21 @@ def c_job(
     io = interned.get(("io", io_fields))
     if io is None:
         io = interned["io", io_fields] = _Io(*io_fields)
-    h_fields = tuple(hyper[name] for name, _ in _Hyper._fields_)
+    h_fields = (
+        hyper
+        if isinstance(hyper, tuple)
+        else tuple(hyper[name] for name, _ in _Hyper._fields_)
+    )
     h = interned.get(("hyper", h_fields))
     if h is None:
         h = interned["hyper", h_fields] = _Hyper(*h_fields)
-    return _Job(
-        param.data_ptr(),
-        grad.data_ptr(),
-        state["exp_avg_sq"].data_ptr(),
-        state["exp_avg_absmax"].data_ptr() if bits else None,
-        state["exp_avg_codes"].data_ptr() if bits else None,
-        None if bits else state["exp_avg"].data_ptr(),
-        param.numel(),
-        period,
-        block,
-        bits,
-        0,
-        ctypes.addressof(quantizer) if quantizer is not None else None,
-        ctypes.addressof(h),
-        ctypes.addressof(io),
-        int(state["factored"]) if "factored" in state else 0,
-        cbar if cbar is not None else 0.0,
-        0,
-    )
+    job = _Job.from_buffer_copy(template)
+    job.param = param.data_ptr()
+    job.grad = grad.data_ptr()
+    job.h = ctypes.addressof(h)
+    job.io = ctypes.addressof(io)
+    job.cbar = cbar if cbar is not None else 0.0
+    return job
 
 
 def launch(lib: ctypes.CDLL, jobs: list[_Job], chunk: int, threads: int) -> None:

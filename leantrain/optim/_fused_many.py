@@ -69,36 +69,103 @@ class StepItem:
         )
 
 
+# State entries whose values (not only identity) the cached checks depend on.
+_SCALARS = ("period", "qblock", "factored")
+
+
+def _signature(item: StepItem) -> tuple:
+    """What one parameter's cached checks depend on: the parameter's storage and
+    layout, its rounding options, and every state tensor's identity (the layout
+    scalars' and the codebook's in-place changes too, by their version counters).
+    The step counter is left out: it changes every step."""
+    param, state = item.param, item.state
+    return (
+        param.data_ptr(),
+        param.dtype,
+        param.device,
+        param.layout,
+        param.numel(),
+        param.is_contiguous(),
+        item.stochastic_rounding,
+        item.stochastic_codes,
+        tuple(state),
+        tuple(map(id, state.values())),
+        tuple(state[k]._version for k in _SCALARS if k in state),
+        state["codebook"]._version if "codebook" in state else None,
+    )
+
+
+def _grad_fits(grad: Tensor, n: int) -> bool:
+    """The gradient's half of ``_fused._c_problem`` (it is new every step)."""
+    return (
+        grad.numel() == n
+        and grad.layout == torch.strided
+        and grad.dtype in _fused._C_DTYPES
+        and grad.device.type == "cpu"
+        and grad.is_contiguous()
+    )
+
+
+def _checked(item: StepItem, lib, cache: dict | None) -> tuple | None:
+    """``(layout, stochastic, codes_sr, static job or None)`` of one item, or None
+    for an empty parameter; from ``cache`` while its signature holds. The static
+    job is None where the kernel cannot take the item."""
+    param, grad, state = item.param, item.grad, item.state
+    entry = cache.get(id(state)) if cache is not None else None
+    signature = _signature(item) if cache is not None else None
+    if entry is not None and entry[0] is state and entry[1] == signature:
+        if grad.numel() != param.numel():
+            raise ValueError(f"grad has {grad.numel()} elements, param {param.numel()}")
+        if isinstance(item.seed, bool) or not isinstance(item.seed, int):
+            raise TypeError(
+                f"seed must be an int, got {type(item.seed).__name__} {item.seed!r}"
+            )
+        layout, stochastic, codes_sr, static = entry[2]
+        if static is not None and (lib is None or not _grad_fits(grad, param.numel())):
+            static = None  # this step's gradient is not the kernel's, or no kernel
+        return layout, stochastic, codes_sr, static
+    checked = _fused.check_step(
+        param, grad, state, item.stochastic_rounding, item.seed, item.stochastic_codes
+    )
+    if checked is None:  # an empty parameter
+        return None
+    static = None
+    if lib is not None and _fused._c_problem(param, grad, state) is None:
+        static = _cabi.static_job(param, state, checked[0])
+    if cache is not None:
+        cache[id(state)] = (state, signature, (*checked, static))
+    return (*checked, static)
+
+
 @torch.no_grad()
-def step_many(items: Sequence[StepItem]) -> None:
+def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
     """One Gefen step of every item; ``fused_step``'s result on each, bit for bit.
 
     Every item is checked before any is changed (sizes, state layout, seed), so a
-    bad one raises with all parameters and states untouched.
+    bad one raises with all parameters and states untouched. ``cache`` (a dict the
+    caller keeps across steps, e.g. one per optimizer) holds each state's checks
+    and static kernel job while the state's tensors, the parameter's storage and
+    the rounding options stay the same (``_signature``); a changed one is checked
+    afresh.
 
     Raises:
         ValueError, TypeError: as ``fused_step`` for the first bad item.
         MemoryError: the kernel's buffers do not fit (nothing changed).
     """
     lib = _native.load()
-    native: list[tuple[StepItem, tuple[int, int, int], bool, bool]] = []
+    native: list[tuple[StepItem, tuple[int, int, int], bool, bool, tuple]] = []
     others: list[StepItem] = []
     for item in items:
-        param, grad, state = item.param, item.grad, item.state
-        checked = _fused.check_step(
-            param,
-            grad,
-            state,
-            item.stochastic_rounding,
-            item.seed,
-            item.stochastic_codes,
-        )
-        if checked is None:  # an empty parameter
+        checked = _checked(item, lib, cache)
+        if checked is None:
             continue
-        if lib is not None and _fused._c_problem(param, grad, state) is None:
+        if checked[3] is not None:
             native.append((item, *checked))
         else:
             others.append(item)
+    if cache is not None:  # drop states no longer stepped (and their tensors)
+        for stale in cache.keys() - {id(item.state) for item in items}:
+            del cache[stale]
     if native:
         _launch_all(lib, native)
     for item in others:
@@ -106,7 +173,7 @@ def step_many(items: Sequence[StepItem]) -> None:
 
 
 def _launch_all(
-    lib, native: list[tuple[StepItem, tuple[int, int, int], bool, bool]]
+    lib, native: list[tuple[StepItem, tuple[int, int, int], bool, bool, tuple]]
 ) -> None:
     """One kernel call for every checked item; their steps advance after it."""
     jobs, interned = [], {}  # interned: the jobs' scalars, alive until launch returns
@@ -116,16 +183,32 @@ def _launch_all(
         for item, *_ in native
         if "factored" in item.state
     ]
-    for item, layout, stochastic, codes_sr in native:
+    hypers: dict[tuple, tuple] = {}  # items of one group share their scalars
+    for item, layout, stochastic, codes_sr, static in native:
         step = float(item.state["step"]) + 1
         key = rounding_key(item.seed, int(step)) if stochastic else 0
         cbar = _fused.advance_factors(item.grad, item.state, item.beta2)
+        options = (
+            item.lr,
+            item.beta1,
+            item.beta2,
+            item.eps,
+            item.weight_decay,
+            item.maximize,
+            item.update_clip,
+        )
+        hyper = hypers.get((step, options))
+        if hyper is None:
+            h = item.hyper(step)
+            hyper = hypers[step, options] = tuple(
+                h[f] for f, _ in _cabi._Hyper._fields_
+            )
         jobs.append(
             _cabi.c_job(
                 item.param,
                 item.grad,
                 item.state,
-                item.hyper(step),
+                hyper,
                 layout=layout,
                 stochastic=stochastic,
                 key=key,
@@ -133,6 +216,7 @@ def _launch_all(
                 code_key=code_key(item.seed, int(step)) if codes_sr else None,
                 index0=item.index0,
                 cbar=cbar,
+                static=static,
             )
         )
     total = sum(item.param.numel() for item, *_ in native)

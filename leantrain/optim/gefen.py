@@ -343,22 +343,23 @@ class Gefen(Optimizer):
             return loss
         if self._template_step(active):
             return loss
+        any_fresh = False
         for group, param, label in active:
             state = self.state[param]
-            if not _fresh(state) and state_bits(state) != group["momentum_bits"]:
+            if _fresh(state):
+                any_fresh = True
+                continue
+            if state_bits(state) != group["momentum_bits"]:
                 raise ValueError(
                     f"{label}: its state holds momentum_bits={state_bits(state)} but "
                     f"its group now says {group['momentum_bits']}; momentum_bits "
                     "cannot change after the first step"
                 )
-            if not _fresh(state):
-                check_factored(
-                    state,
-                    tuple(param.shape),
-                    second_moment_of(group, param, state),
-                    label,
-                )
-        self._init_states(active)
+            check_factored(
+                state, tuple(param.shape), second_moment_of(group, param, state), label
+            )
+        if any_fresh:
+            self._init_states(active)
         straddling = []
         # A parameter's fixed position in the optimizer keys its rounding stream.
         position = {
@@ -366,32 +367,41 @@ class Gefen(Optimizer):
             for i, p in enumerate(p for g in self.param_groups for p in g["params"])
         }
         items, layouts = [], self.__dict__.setdefault("_layouts", {})
+        options: dict[int, dict] = {}  # per group: read once per step
         for group, param, _ in active:
             seed = position[id(param)]
-            layout = straddle_layout(self.state[param], param, layouts)
+            state = self.state[param]
+            layout = straddle_layout(state, param, layouts)
             if layout is not None:
                 straddling.append((group, param, layout, seed))
                 continue
-            beta1, beta2 = group["betas"]
+            shared = options.get(id(group))
+            if shared is None:
+                beta1, beta2 = group["betas"]
+                shared = options[id(group)] = {
+                    "lr": float(group["lr"]),
+                    "beta1": float(beta1),
+                    "beta2": float(beta2),
+                    "eps": float(group["eps"]),
+                    "weight_decay": float(group["weight_decay"]),
+                    "maximize": group["maximize"],
+                    "stochastic_rounding": group.get("stochastic_rounding"),
+                    "stochastic_codes": code_rounding.group_stochastic(group),
+                }
+            sharded = _dist.is_sharded(param)
             items.append(
                 StepItem(
                     _dist.local(param),
                     _dist.local(param.grad),
-                    self.state[param],
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    maximize=group["maximize"],
-                    stochastic_rounding=group.get("stochastic_rounding"),
+                    state,
+                    **shared,
                     seed=seed,
-                    stochastic_codes=code_rounding.group_stochastic(group),
-                    update_clip=_checks.update_clip_of(group, self.state[param]),
-                    index0=_dist.my_span(param).start if _dist.is_sharded(param) else 0,
+                    update_clip=_checks.update_clip_of(group, state),
+                    index0=_dist.my_span(param).start if sharded else 0,
                 )
             )
-        step_many(items)  # one kernel call for all of them
+        # one kernel call for all of them; the cache keeps each state's checks
+        step_many(items, self.__dict__.setdefault("_step_cache", {}))
         if straddling:
             straddling_step(self.state, straddling)
         return loss
