@@ -64,14 +64,17 @@ from leantrain.layer_parallel.pipeline import (  # noqa: E402
 )
 from leantrain.layer_parallel.projection import (  # noqa: E402
     MGRITSetting,
-    crossover,
+    plot_projection,
     project,
+    projection_table,
 )
 from leantrain.layer_parallel.simulate import CommModel, LayerTimes  # noqa: E402
 from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline  # noqa: E402
 from leantrain.models import GPT, GPTConfig, lm_loss  # noqa: E402
 
 RANKS = 2
+PROJECT_DEPTHS = [16, 32, 64, 128, 256, 512, 1024]
+PROJECT_RANKS = [2**k for k in range(1, 11)]
 
 
 @dataclass(frozen=True)
@@ -437,77 +440,22 @@ def _ms(t: LayerTimes) -> str:
     return " / ".join(f"{v * 1e3:.1f}" for v in parts)
 
 
-def print_projection(args, settings: list[MGRITSetting], res: dict) -> dict:
-    depths = [16, 32, 64, 128, 256, 512, 1024]
-    ranks = [2**k for k in range(1, 11)]
+def print_projection(args, settings: list[MGRITSetting], res: dict) -> list:
     # CPU layer steps dwarf any message here; a GPU projection needs GPU layer times
-    models = {"gloo as measured": res["comm"]}
-    out = {}
-    for name, comm in models.items():
-        cells = project(depths, ranks, res["times"], settings, comm, res["state_bytes"])
-        out[name] = cells
-        print(
-            f"\n## Projected, {name}: best pipeline step / MGRIT step "
-            "(> 1: layer-parallel faster, **bold**; -: a layout cannot run)\n"
-        )
-        print("| N | " + " | ".join(f"P={p}" for p in ranks) + " | MGRIT faster at |")
-        print("|---|" + "---|" * (len(ranks) + 1))
-        for n in depths:
-            row = []
-            for c in cells:
-                if c.depth != n:
-                    continue
-                if c.pipeline is None or c.mgrit is None:
-                    row.append("-")
-                    continue
-                r = c.pipeline / c.mgrit
-                row.append(f"**{r:.2f}**" if r > 1 else f"{r:.2f}")
-            wins = [c.ranks for c in cells if c.depth == n and c.lp_wins]
-            where = ", ".join(f"P={p}" for p in wins) if wins else "nowhere"
-            print(f"| {n} | " + " | ".join(row) + f" | {where} |")
-    return out
-
-
-def plot(path: str, cells_by_model: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    name, cells = next(iter(cells_by_model.items()))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, n in enumerate((16, 64, 256, 1024)):
-        row = [c for c in cells if c.depth == n]
-        color = f"C{i}"
-        pts = [(c.ranks, c.serial / c.mgrit) for c in row if c.mgrit]
-        ax1.plot(*zip(*pts, strict=True), "-o", color=color, label=f"MGRIT N={n}")
-        pts = [(c.ranks, c.serial / c.pipeline) for c in row if c.pipeline]
-        ax1.plot(*zip(*pts, strict=True), "--", color=color, label=f"pipeline N={n}")
-        pts = [(c.ranks, c.pipeline / c.mgrit) for c in row if c.mgrit and c.pipeline]
-        ax2.plot(*zip(*pts, strict=True), "-o", color=color, label=f"N={n}")
-        cross = crossover(cells, n)
-        if cross:
-            ax2.axvline(cross, color=color, lw=0.8, ls=":")
-    ax1.set(
-        xscale="log",
-        yscale="log",
-        xlabel="ranks P",
-        ylabel="speedup over serial",
-        title=f"projected speedup over serial (messages: {name})",
+    cells = project(
+        PROJECT_DEPTHS,
+        PROJECT_RANKS,
+        res["times"],
+        settings,
+        res["comm"],
+        res["state_bytes"],
     )
-    ax1.set_xscale("log", base=2)
-    ax1.legend(fontsize=7, ncol=2)
-    ax2.axhline(1.0, color="k", lw=0.8)
-    ax2.set_xscale("log", base=2)
-    ax2.set(
-        xlabel="ranks P",
-        ylabel="best pipeline step / MGRIT step",
-        title="> 1: layer-parallel faster (dotted: first crossover)",
+    print(
+        "\n## Projected, gloo messages as measured: best pipeline step / MGRIT step "
+        "(> 1: layer-parallel faster, **bold**; -: a layout cannot run)\n"
     )
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"\nplot: {path}")
+    print(projection_table(cells))
+    return cells
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -559,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
     print_measured(args, runs, res)
     settings = [r.lp for r in runs if r.kind == "lp"]
     settings += [parse_lp(spec) for spec in args.project_lp]
-    plot(args.plot, print_projection(args, settings, res))
+    plot_projection(print_projection(args, settings, res), args.plot, "gloo")
+    print(f"\nplot: {args.plot}")
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
 
 
