@@ -29,7 +29,10 @@ P = 2..1024 ranks and N = 16..1024 layers; the crossover where MGRIT wins, and a
 plot.
 
 Run: ``python benchmarks/depth.py`` (``--quick``: tiny sizes, a smoke test);
-``--plot PATH`` for the PNG (default ``depth_projection.png``).
+``--plot PATH`` for the PNG (default ``depth_projection.png``); ``--save PATH`` keeps
+the measurements as JSON (rewritten after each depth, so a run cut short keeps the
+depths it finished) and ``--load PATH`` reprints the tables and the projection from
+such a file without measuring.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import ctypes
 import datetime
 import gc
 import inspect
+import json
 import os
 import re
 import socket
@@ -346,6 +350,8 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
             results["times"] = {m: smp.times() for m, smp in samplers.items()}
             if rank == 0:  # each depth's table as soon as it is measured
                 print_measured(args, runs, results, only=depth)
+                if args.save:
+                    save(args.save, args, results)
         if rank == 0:
             queue.put(results)
         dist.barrier()
@@ -369,6 +375,44 @@ def measure(args, runs: list[Run]) -> dict:
     for p in procs:
         p.join()
     return results
+
+
+_SAVED_ARGS = ("d", "heads", "batch", "tokens", "steps", "lr", "micro_batches", "lp")
+
+
+def save(path: str, args, res: dict) -> None:
+    """Write the measurements (so far) as JSON; ``--load`` reprints and reprojects."""
+    out = {
+        "args": {k: getattr(args, k) for k in _SAVED_ARGS},
+        "load_average": os.getloadavg()[0],
+        "comm": [res["comm"].latency, res["comm"].bandwidth],
+        "state_bytes": res["state_bytes"],
+        "act": res["act"],
+        "times": {
+            str(m): [t.forward, t.backward, t.forward_record, t.backward_params]
+            for m, t in res["times"].items()
+        },
+        "depths": {str(n): rows for n, rows in res["depths"].items()},
+    }
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def load(path: str, args) -> dict:
+    """The measurements saved by :func:`save`; sets the run's settings on ``args``."""
+    with open(path) as f:
+        data = json.load(f)
+    for k, v in data["args"].items():
+        setattr(args, k, v)
+    args.depths = [int(n) for n in data["depths"]]
+    args.load_average = data["load_average"]
+    return {
+        "comm": CommModel(*data["comm"]),
+        "state_bytes": data["state_bytes"],
+        "act": data["act"],
+        "times": {int(m): LayerTimes(*t) for m, t in data["times"].items()},
+        "depths": {int(n): rows for n, rows in data["depths"].items()},
+    }
 
 
 def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
@@ -403,7 +447,8 @@ def print_measured(args, runs: list[Run], res: dict, only: int | None = None) ->
     print(
         f"\n## Measured{so_far}: GPT d={args.d}, {args.heads} heads, batch "
         f"{args.batch}, {args.tokens} tokens, fp32, {args.steps} AdamW steps, "
-        f"2 gloo processes x 1 thread; load average {os.getloadavg()[0]:.1f}"
+        f"2 gloo processes x 1 thread; load average "
+        f"{getattr(args, 'load_average', os.getloadavg()[0]):.1f}"
     )
     print(
         f"message {comm.latency * 1e6:.0f} us + {comm.bandwidth / 1e6:.0f} MB/s; layer"
@@ -488,6 +533,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="layer-time samples per micro-batch size, at least (spread over the runs)",
     )
     parser.add_argument("--plot", default="depth_projection.png")
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="write the measurements as JSON to this path, after each depth",
+    )
+    parser.add_argument(
+        "--load",
+        default=None,
+        help="reprint and reproject a --save file instead of measuring",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes")
     return parser
 
@@ -503,7 +558,13 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.project_lp:
         parse_lp(spec)  # refuse a malformed one before the long measurement
     start = time.perf_counter()
-    res = measure(args, runs)
+    if args.load:
+        res = load(args.load, args)
+        runs = [
+            r for r in check_settings(args) if r.label in res["depths"][args.depths[0]]
+        ]
+    else:
+        res = measure(args, runs)
     print_measured(args, runs, res)
     settings = [r.lp for r in runs if r.kind == "lp"]
     settings += [parse_lp(spec) for spec in args.project_lp]
