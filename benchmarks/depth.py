@@ -29,7 +29,10 @@ P = 2..1024 ranks and N = 16..1024 layers; the crossover where MGRIT wins, and a
 plot.
 
 Run: ``python benchmarks/depth.py`` (``--quick``: tiny sizes, a smoke test);
-``--plot PATH`` for the PNG (default ``depth_projection.png``).
+``--plot PATH`` for the PNG (default ``depth_projection.png``); ``--save PATH`` keeps
+the measurements as JSON (rewritten after each depth, so a run cut short keeps the
+depths it finished) and ``--load PATH`` reprints the tables and the projection from
+such a file without measuring.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import ctypes
 import datetime
 import gc
 import inspect
+import json
 import os
 import re
 import socket
@@ -61,8 +65,9 @@ from leantrain.layer_parallel.pipeline import (  # noqa: E402
 )
 from leantrain.layer_parallel.projection import (  # noqa: E402
     MGRITSetting,
-    crossover,
+    plot_projection,
     project,
+    projection_table,
 )
 from leantrain.layer_parallel.simulate import CommModel, LayerTimes  # noqa: E402
 from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline  # noqa: E402
@@ -70,6 +75,8 @@ from leantrain.layer_parallel.timing import LayerSampler  # noqa: E402
 from leantrain.models import GPT, GPTConfig, lm_loss  # noqa: E402
 
 RANKS = 2
+PROJECT_DEPTHS = [16, 32, 64, 128, 256, 512, 1024]
+PROJECT_RANKS = [2**k for k in range(1, 11)]
 
 
 @dataclass(frozen=True)
@@ -341,6 +348,8 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
             results["times"] = {m: smp.times() for m, smp in samplers.items()}
             if rank == 0:  # each depth's table as soon as it is measured
                 print_measured(args, runs, results, only=depth)
+                if args.save:
+                    save(args.save, args, results)
         if rank == 0:
             queue.put(results)
         dist.barrier()
@@ -364,6 +373,44 @@ def measure(args, runs: list[Run]) -> dict:
     for p in procs:
         p.join()
     return results
+
+
+_SAVED_ARGS = ("d", "heads", "batch", "tokens", "steps", "lr", "micro_batches", "lp")
+
+
+def save(path: str, args, res: dict) -> None:
+    """Write the measurements (so far) as JSON; ``--load`` reprints and reprojects."""
+    out = {
+        "args": {k: getattr(args, k) for k in _SAVED_ARGS},
+        "load_average": os.getloadavg()[0],
+        "comm": [res["comm"].latency, res["comm"].bandwidth],
+        "state_bytes": res["state_bytes"],
+        "act": res["act"],
+        "times": {
+            str(m): [t.forward, t.backward, t.forward_record, t.backward_params]
+            for m, t in res["times"].items()
+        },
+        "depths": {str(n): rows for n, rows in res["depths"].items()},
+    }
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def load(path: str, args) -> dict:
+    """The measurements saved by :func:`save`; sets the run's settings on ``args``."""
+    with open(path) as f:
+        data = json.load(f)
+    for k, v in data["args"].items():
+        setattr(args, k, v)
+    args.depths = [int(n) for n in data["depths"]]
+    args.load_average = data["load_average"]
+    return {
+        "comm": CommModel(*data["comm"]),
+        "state_bytes": data["state_bytes"],
+        "act": data["act"],
+        "times": {int(m): LayerTimes(*t) for m, t in data["times"].items()},
+        "depths": {int(n): rows for n, rows in data["depths"].items()},
+    }
 
 
 def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
@@ -398,7 +445,8 @@ def print_measured(args, runs: list[Run], res: dict, only: int | None = None) ->
     print(
         f"\n## Measured{so_far}: GPT d={args.d}, {args.heads} heads, batch "
         f"{args.batch}, {args.tokens} tokens, fp32, {args.steps} AdamW steps, "
-        f"2 gloo processes x 1 thread; load average {os.getloadavg()[0]:.1f}"
+        f"2 gloo processes x 1 thread; load average "
+        f"{getattr(args, 'load_average', os.getloadavg()[0]):.1f}"
     )
     print(
         f"message {comm.latency * 1e6:.0f} us + {comm.bandwidth / 1e6:.0f} MB/s; layer"
@@ -435,77 +483,22 @@ def _ms(t: LayerTimes) -> str:
     return " / ".join(f"{v * 1e3:.1f}" for v in parts)
 
 
-def print_projection(args, settings: list[MGRITSetting], res: dict) -> dict:
-    depths = [16, 32, 64, 128, 256, 512, 1024]
-    ranks = [2**k for k in range(1, 11)]
+def print_projection(args, settings: list[MGRITSetting], res: dict) -> list:
     # CPU layer steps dwarf any message here; a GPU projection needs GPU layer times
-    models = {"gloo as measured": res["comm"]}
-    out = {}
-    for name, comm in models.items():
-        cells = project(depths, ranks, res["times"], settings, comm, res["state_bytes"])
-        out[name] = cells
-        print(
-            f"\n## Projected, {name}: best pipeline step / MGRIT step "
-            "(> 1: layer-parallel faster, **bold**; -: a layout cannot run)\n"
-        )
-        print("| N | " + " | ".join(f"P={p}" for p in ranks) + " | MGRIT faster at |")
-        print("|---|" + "---|" * (len(ranks) + 1))
-        for n in depths:
-            row = []
-            for c in cells:
-                if c.depth != n:
-                    continue
-                if c.pipeline is None or c.mgrit is None:
-                    row.append("-")
-                    continue
-                r = c.pipeline / c.mgrit
-                row.append(f"**{r:.2f}**" if r > 1 else f"{r:.2f}")
-            wins = [c.ranks for c in cells if c.depth == n and c.lp_wins]
-            where = ", ".join(f"P={p}" for p in wins) if wins else "nowhere"
-            print(f"| {n} | " + " | ".join(row) + f" | {where} |")
-    return out
-
-
-def plot(path: str, cells_by_model: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    name, cells = next(iter(cells_by_model.items()))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, n in enumerate((16, 64, 256, 1024)):
-        row = [c for c in cells if c.depth == n]
-        color = f"C{i}"
-        pts = [(c.ranks, c.serial / c.mgrit) for c in row if c.mgrit]
-        ax1.plot(*zip(*pts, strict=True), "-o", color=color, label=f"MGRIT N={n}")
-        pts = [(c.ranks, c.serial / c.pipeline) for c in row if c.pipeline]
-        ax1.plot(*zip(*pts, strict=True), "--", color=color, label=f"pipeline N={n}")
-        pts = [(c.ranks, c.pipeline / c.mgrit) for c in row if c.mgrit and c.pipeline]
-        ax2.plot(*zip(*pts, strict=True), "-o", color=color, label=f"N={n}")
-        cross = crossover(cells, n)
-        if cross:
-            ax2.axvline(cross, color=color, lw=0.8, ls=":")
-    ax1.set(
-        xscale="log",
-        yscale="log",
-        xlabel="ranks P",
-        ylabel="speedup over serial",
-        title=f"projected speedup over serial (messages: {name})",
+    cells = project(
+        PROJECT_DEPTHS,
+        PROJECT_RANKS,
+        res["times"],
+        settings,
+        res["comm"],
+        res["state_bytes"],
     )
-    ax1.set_xscale("log", base=2)
-    ax1.legend(fontsize=7, ncol=2)
-    ax2.axhline(1.0, color="k", lw=0.8)
-    ax2.set_xscale("log", base=2)
-    ax2.set(
-        xlabel="ranks P",
-        ylabel="best pipeline step / MGRIT step",
-        title="> 1: layer-parallel faster (dotted: first crossover)",
+    print(
+        "\n## Projected, gloo messages as measured: best pipeline step / MGRIT step "
+        "(> 1: layer-parallel faster, **bold**; -: a layout cannot run)\n"
     )
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"\nplot: {path}")
+    print(projection_table(cells))
+    return cells
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -538,6 +531,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="layer-time samples per micro-batch size, at least (spread over the runs)",
     )
     parser.add_argument("--plot", default="depth_projection.png")
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="write the measurements as JSON to this path, after each depth",
+    )
+    parser.add_argument(
+        "--load",
+        default=None,
+        help="reprint and reproject a --save file instead of measuring",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes")
     return parser
 
@@ -553,11 +556,18 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.project_lp:
         parse_lp(spec)  # refuse a malformed one before the long measurement
     start = time.perf_counter()
-    res = measure(args, runs)
+    if args.load:
+        res = load(args.load, args)
+        runs = [
+            r for r in check_settings(args) if r.label in res["depths"][args.depths[0]]
+        ]
+    else:
+        res = measure(args, runs)
     print_measured(args, runs, res)
     settings = [r.lp for r in runs if r.kind == "lp"]
     settings += [parse_lp(spec) for spec in args.project_lp]
-    plot(args.plot, print_projection(args, settings, res))
+    plot_projection(print_projection(args, settings, res), args.plot, "gloo")
+    print(f"\nplot: {args.plot}")
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
 
 

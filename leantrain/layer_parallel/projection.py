@@ -174,3 +174,84 @@ def crossover(cells: Sequence[Cell], depth: int) -> int | None:
     """The fewest ranks at which MGRIT beats the best pipeline at ``depth``."""
     wins = [c.ranks for c in cells if c.depth == depth and c.lp_wins]
     return min(wins) if wins else None
+
+
+def projection_table(cells: Sequence[Cell]) -> str:
+    """Markdown table of ``pipeline / MGRIT`` step ratios, depth by ranks.
+
+    Bold: layer-parallel faster; ``-``: a layout that cannot run. The last column
+    lists every rank count where MGRIT wins (the region need not be one-sided:
+    MGRIT's best setting changes where a deeper hierarchy stops fitting).
+    """
+    depths = sorted({c.depth for c in cells})
+    ranks = sorted({c.ranks for c in cells})
+    by_key = {(c.depth, c.ranks): c for c in cells}
+    lines = [
+        "| N | " + " | ".join(f"P={p}" for p in ranks) + " | MGRIT faster at |",
+        "|---|" + "---|" * (len(ranks) + 1),
+    ]
+    for n in depths:
+        row = []
+        for p in ranks:
+            c = by_key.get((n, p))
+            if c is None or c.pipeline is None or c.mgrit is None:
+                row.append("-")
+                continue
+            r = c.pipeline / c.mgrit
+            row.append(f"**{r:.2f}**" if c.lp_wins else f"{r:.2f}")
+        wins = [p for p in ranks if (n, p) in by_key and by_key[(n, p)].lp_wins]
+        where = ", ".join(f"P={p}" for p in wins) if wins else "nowhere"
+        lines.append(f"| {n} | " + " | ".join(row) + f" | {where} |")
+    return "\n".join(lines)
+
+
+def plot_projection(
+    cells: Sequence[Cell],
+    path: str,
+    comm_name: str,
+    depths: Sequence[int] = (16, 64, 256, 1024),
+) -> None:
+    """PNG: speedup over serial of both methods against ranks (left) and their
+    ratio (right, above 1 layer-parallel is faster; dotted: the first crossover)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, n in enumerate(depths):
+        row = [c for c in cells if c.depth == n]
+        color = f"C{i}"
+        pts = [(c.ranks, c.serial / c.mgrit) for c in row if c.mgrit]
+        if pts:
+            ax1.plot(*zip(*pts, strict=True), "-o", color=color, label=f"MGRIT N={n}")
+        pts = [(c.ranks, c.serial / c.pipeline) for c in row if c.pipeline]
+        if pts:
+            ax1.plot(
+                *zip(*pts, strict=True), "--", color=color, label=f"pipeline N={n}"
+            )
+        pts = [(c.ranks, c.pipeline / c.mgrit) for c in row if c.mgrit and c.pipeline]
+        if pts:
+            ax2.plot(*zip(*pts, strict=True), "-o", color=color, label=f"N={n}")
+        cross = crossover(cells, n)
+        if cross:
+            ax2.axvline(cross, color=color, lw=0.8, ls=":")
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set(
+        xlabel="ranks P",
+        ylabel="speedup over serial",
+        title=f"projected speedup over serial (messages: {comm_name})",
+    )
+    ax1.legend(fontsize=7, ncol=2)
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_xscale("log", base=2)
+    ax2.set(
+        xlabel="ranks P",
+        ylabel="best pipeline step / MGRIT step",
+        title="> 1: layer-parallel faster (dotted: first crossover)",
+    )
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

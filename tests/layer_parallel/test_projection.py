@@ -1,5 +1,6 @@
 """The MGRIT-versus-pipeline projection: best choices against the simulators run
-directly, the layout rules, the serial-forward time and the crossover."""
+directly, the layout rules, the serial-forward time, the crossover, the table and
+the plot."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from leantrain.layer_parallel.projection import (
     MGRITSetting,
     best_pipeline,
     crossover,
+    plot_projection,
     project,
+    projection_table,
 )
 from leantrain.layer_parallel.simulate import CommModel, LayerTimes, simulate
 from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline
@@ -76,3 +79,24 @@ def test_projection_and_crossover():
     assert not lin[0].lp_wins and lin[0].pipeline_label.endswith("M=8")
     with pytest.raises(ValueError, match="key 1"):
         project([64], [2], {2: FULL}, settings, CommModel(), 0.0)
+
+
+def test_table_and_plot(tmp_path):
+    flat = {m: FULL for m in (1, 2, 4, 8)}
+    settings = [MGRITSetting(2, 4, 1, 1)]
+    cells = project([16, 64], [2, 4, 32], flat, settings, CommModel(), 0.0)
+    lines = projection_table(cells).splitlines()
+    assert lines[0] == "| N | P=2 | P=4 | P=32 | MGRIT faster at |"
+    row16 = lines[2].split(" | ")
+    assert row16[3] == "-"  # P=32 > N/4: MGRIT's layout cannot run
+    for c in cells:
+        if c.pipeline is None or c.mgrit is None:
+            continue
+        row = lines[2 + [16, 64].index(c.depth)].split(" | ")
+        cell = row[1 + [2, 4, 32].index(c.ranks)]
+        assert cell.startswith("**") == c.lp_wins
+        assert float(cell.strip("*")) == pytest.approx(c.pipeline / c.mgrit, abs=5e-3)
+        assert (f"P={c.ranks}" in row[-1]) == c.lp_wins
+    path = tmp_path / "p.png"
+    plot_projection(cells, str(path), "free", depths=(16, 64))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
