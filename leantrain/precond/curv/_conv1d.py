@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._base import _acc, _batch
-from ._linear_form import LinearFormOp
+from ._linear_form import DenseLinearOp
 
 __all__ = ["Conv1dOp", "is_conv1d"]
 
@@ -32,7 +31,7 @@ def is_conv1d(module: nn.Module) -> bool:
     )
 
 
-class Conv1dOp(LinearFormOp):
+class Conv1dOp(DenseLinearOp):
     """``Conv1D`` as ``nn.Linear`` with the weight transposed (see the module doc)."""
 
     transposed = True  # canonical W[r, c] is weight[c, r]
@@ -41,18 +40,3 @@ class Conv1dOp(LinearFormOp):
         super().__init__(name, module)
         bias = getattr(module, "bias", None) is not None
         self._setup(module.nf, module.nx, bias)
-
-    def record(self, args: tuple, output: torch.Tensor) -> tuple[dict, list]:
-        x = args[0]
-        _batch(x, self.name, 2)
-        n = x.shape[0]
-        a = _acc(x).reshape(n, -1, self.cols)
-        feats = {
-            "a": [a],
-            "rows": [slice(0, self.rows)],
-            "eshape": [(n, a.shape[1], self.rows)],
-        }
-        return feats, [output]
-
-    def grad_feature(self, slot: int, grad: torch.Tensor) -> torch.Tensor:
-        return _acc(grad).reshape(grad.shape[0], -1, self.rows)

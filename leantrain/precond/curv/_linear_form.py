@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._base import ModuleOp, Site
+from ._base import ModuleOp, Site, _acc, _batch
 
 __all__ = ["LinearFormOp", "gram"]
 
@@ -141,3 +141,23 @@ class LinearFormOp(ModuleOp):
 
     def site_rows(self, calls: list) -> list[slice]:
         return list(calls[0][0]["rows"])
+
+
+class DenseLinearOp(LinearFormOp):
+    """A linear map of the last input dim (``nn.Linear``, HF ``Conv1D``): one site per
+    call, positions = every leading dim after the batch."""
+
+    def record(self, args: tuple, output: torch.Tensor) -> tuple[dict, list]:
+        x = args[0]
+        _batch(x, self.name, 2)
+        n = x.shape[0]
+        a = _acc(x).reshape(n, -1, self.cols)
+        feats = {
+            "a": [a],
+            "rows": [slice(0, self.rows)],
+            "eshape": [(n, a.shape[1], self.rows)],
+        }
+        return feats, [output]
+
+    def grad_feature(self, slot: int, grad: torch.Tensor) -> torch.Tensor:
+        return _acc(grad).reshape(grad.shape[0], -1, self.rows)

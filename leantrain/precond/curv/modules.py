@@ -35,7 +35,7 @@ from torch import nn
 from ._base import ModuleOp, Site, _acc, _batch
 from ._conv import LazyFeats, LazySite, canonical_order, kernel_major_patches
 from ._conv1d import Conv1dOp, is_conv1d
-from ._linear_form import LinearFormOp, _cat, gram
+from ._linear_form import DenseLinearOp, LinearFormOp, _cat, gram
 from ._mha import check_mha_supported
 from ._norm import BatchNormOp, LayerNormOp, RMSNormOp, is_rms_norm
 
@@ -72,25 +72,10 @@ def is_supported_module(module: nn.Module) -> bool:
     )
 
 
-class LinearOp(LinearFormOp):
+class LinearOp(DenseLinearOp):
     def __init__(self, name: str, module: nn.Linear) -> None:
         super().__init__(name, module)
         self._setup(module.out_features, module.in_features, module.bias is not None)
-
-    def record(self, args: tuple, output: torch.Tensor) -> tuple[dict, list]:
-        x = args[0]
-        _batch(x, self.name, 2)
-        n = x.shape[0]
-        a = _acc(x).reshape(n, -1, self.cols)
-        feats = {
-            "a": [a],
-            "rows": [slice(0, self.rows)],
-            "eshape": [(n, a.shape[1], self.rows)],
-        }
-        return feats, [output]
-
-    def grad_feature(self, slot: int, grad: torch.Tensor) -> torch.Tensor:
-        return _acc(grad).reshape(grad.shape[0], -1, self.rows)
 
 
 class Conv2dOp(LinearFormOp):
