@@ -246,12 +246,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     def _precondition(self) -> None:
         """What the maker's ``forward_and_backward`` runs after its pass."""
         m = self.maker
-        total = m.config.num_total_steps
-        if total is not None and m.step >= total:
-            raise RuntimeError(
-                f"num_total_steps={total} steps have run; raise num_total_steps in the "
-                "config (or set it to None) to keep training."
-            )
+        m._check_total_steps()
         curvature_due = m.config.curvature_due(m.step)
         preconditioner_due = m.config.preconditioner_due(m.step)
         if curvature_due:

@@ -224,6 +224,15 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         yield from walk("", unwrap_model(self.model), False)
 
     # -- the step ------------------------------------------------------------------
+    def _check_total_steps(self) -> None:
+        """Raise once ``config.num_total_steps`` steps have run."""
+        total = self.config.num_total_steps
+        if total is not None and self.step >= total:
+            raise RuntimeError(
+                f"num_total_steps={total} steps have run; raise num_total_steps in the "
+                "config (or set it to None) to keep training."
+            )
+
     def forward_and_backward(self) -> tuple[Any, Tensor]:
         """One step: forward/backward, due updates, then :meth:`precondition`.
 
@@ -234,12 +243,7 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
             RuntimeError: before setup, or once ``config.num_total_steps`` steps ran.
         """
         self._check_ready()
-        total = self.config.num_total_steps
-        if total is not None and self.step >= total:
-            raise RuntimeError(
-                f"num_total_steps={total} steps have run; raise num_total_steps in the "
-                "config (or set it to None) to keep training."
-            )
+        self._check_total_steps()
         curvature_due = self.config.curvature_due(self.step)
         preconditioner_due = self.config.preconditioner_due(self.step)
         if curvature_due:
