@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -43,43 +42,10 @@ from gefen_quality import make_optimizer  # noqa: E402
 from second_moment_probes import ProbeAdamW, parse_probe  # noqa: E402
 
 from leantrain import compare  # noqa: E402
+from leantrain._stats import ratio_interval as summary  # noqa: E402
 from leantrain.cli import build_parser  # noqa: E402
 
 DEFAULT_VARIANTS = "adamw-eps,adamw-lr,8:auto,4:auto"
-# Two-sided 95% Student t quantiles by degrees of freedom (n - 1 seeds); past 30
-# the normal 1.96 (t is at most 4% wider there).
-T95 = {
-    1: 12.71,
-    2: 4.30,
-    3: 3.18,
-    4: 2.78,
-    5: 2.57,
-    6: 2.45,
-    7: 2.36,
-    8: 2.31,
-    9: 2.26,
-    10: 2.23,
-    11: 2.20,
-    12: 2.18,
-    13: 2.16,
-    14: 2.14,
-    15: 2.13,
-    16: 2.12,
-    17: 2.11,
-    18: 2.10,
-    19: 2.09,
-    20: 2.09,
-    21: 2.08,
-    22: 2.07,
-    23: 2.07,
-    24: 2.06,
-    25: 2.06,
-    26: 2.06,
-    27: 2.05,
-    28: 2.05,
-    29: 2.05,
-    30: 2.04,
-}
 
 
 def control(spec: str, params, lr: float) -> torch.optim.Optimizer:
@@ -121,19 +87,6 @@ def parse_seeds(text: str) -> list[int]:
             raise ValueError(f"--seeds {text!r}: the range is empty")
         return list(range(low, high + 1))
     return [int(x) for x in text.split(",")]
-
-
-def summary(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of ``ratios`` and its 95% interval (t on the log ratios);
-    all NaN when a run diverged (a ratio that is not a positive finite number)."""
-    if not all(math.isfinite(r) and r > 0 for r in ratios):
-        return math.nan, math.nan, math.nan
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), math.nan, math.nan
-    half = T95.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def _study(args: argparse.Namespace, seeds: list[int], variants: list[str]):

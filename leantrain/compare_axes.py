@@ -52,16 +52,15 @@ def _memory_config(args: argparse.Namespace) -> compare_memory.MemoryConfig:
 
 
 def _memory_verdict(summary: dict, config) -> str:
-    lines = [
-        f"Run-to-run spread (largest seed-to-seed difference of one optimizer's val "
-        f"loss): {100 * summary['spread']:.1f} %."
-    ]
+    lines = []
     for r in summary["rows"]:
         if r.name != "adamw":
             label = compare_memory.OPTIMIZER_LABELS.get(r.name, r.name)
+            per_seed = ", ".join(f"{v:.3f}" for v in r.val_ratios)
             lines.append(
                 f"{label}: {r.state_bytes_per_param:.2f} B/param, val loss "
-                f"{r.val_ratio:.3f}x AdamW: {r.verdict}."
+                f"{r.val_ratio:.3f}x AdamW [{r.low:.3f}, {r.high:.3f}] "
+                f"(per seed {per_seed}): {r.verdict}."
             )
     return " ".join(lines)
 

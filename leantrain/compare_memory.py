@@ -2,15 +2,15 @@
 
 Every optimizer trains the small GPT (``GPT.default()`` on the embedded text) once
 per seed; within a seed every optimizer starts from the same weights and sees the
-same batches. The run-to-run spread is measured in the same comparison: for each
-optimizer, the relative difference between its seeds' validation losses; the
-*spread* is the largest of these. A Gefen row's verdict compares its mean validation
-loss over the seeds with AdamW's: "within run-to-run noise" when the relative
-difference is at most the spread, otherwise "x % worse (or better), outside it".
-Two seeds make the spread a rough yardstick (the seed-to-seed difference of one
-optimizer has about the size of the standard deviation of a difference of means);
-it says whether one comparison can tell the optimizers apart, not how large a
-difference many seeds would find (docs/gefen.md has sixteen-seed figures).
+same batches, so each seed gives one *paired* ratio: a Gefen run's validation loss
+over AdamW's. The run-to-run spread is the spread of these ratios over the seeds,
+measured in the same comparison. A Gefen row's verdict is worded from the geometric
+mean of its ratios and their 95 % interval (Student t on the log ratios,
+:func:`leantrain._stats.ratio_interval`): "within run-to-run noise" when the
+interval holds 1, otherwise "x % worse (or better), outside it". On this model the
+ratio moves by a few percent from seed to seed (when a seed leaves the loss plateau
+varies), so two seeds resolve only large differences; docs/compare.md has the
+sixteen-seed figures.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 from leantrain._report import fmt, markdown_table
+from leantrain._stats import ratio_interval
 from leantrain.compare import OPTIMIZER_LABELS, TASKS, RunResult, train_one
 from leantrain.compare_jobs import Job
 
@@ -97,51 +98,55 @@ class MemoryRow:
     val_losses: list[float]  # one per seed
     state_bytes_per_param: float
     step_ms: float  # optimizer.step(), mean over the seeds
-    spread: float  # relative difference between its seeds' validation losses
-    val_ratio: float  # mean val loss / AdamW's
+    val_ratios: list[float]  # per seed: val loss / AdamW's of the same seed
+    val_ratio: float  # geometric mean of val_ratios
+    low: float  # its 95 % interval (NaN for AdamW, whose ratios are all 1)
+    high: float
     verdict: str
 
 
-def relative_spread(values: Sequence[float]) -> float:
-    """(max - min) / mean: how far the seeds of one optimizer land apart."""
-    return (max(values) - min(values)) / statistics.fmean(values)
-
-
-def verdict(ratio: float, spread: float) -> str:
-    """The wording of a row: within the spread, or how far outside it."""
-    if not math.isfinite(ratio):
+def verdict(ratio: float, low: float, high: float) -> str:
+    """The wording of a row from the mean ratio and its 95 % interval."""
+    if not all(math.isfinite(x) for x in (ratio, low, high)):
         return "did not train (non-finite loss)"
-    if abs(ratio - 1) <= spread:
+    if low <= 1 <= high:
         return f"within run-to-run noise ({100 * (ratio - 1):+.1f} %)"
     word = "worse" if ratio > 1 else "better"
     return f"{100 * abs(ratio - 1):.1f} % {word}, outside it"
 
 
 def summarise(config: MemoryConfig, results: Mapping) -> dict:
-    """Rows, the spread and the table from the jobs' results."""
+    """Rows (paired ratios, their interval, the verdict) from the jobs' results."""
     runs = {
         name: [results[("memory", name, s)] for s in config.seeds]
         for name in config.optimizers
     }
-    spreads = {n: relative_spread([r.val_loss for r in rs]) for n, rs in runs.items()}
-    spread = max(spreads.values())
-    adamw_val = statistics.fmean(r.val_loss for r in runs["adamw"])
+    adamw = [r.val_loss for r in runs["adamw"]]
     rows = []
     for name, rs in runs.items():
         vals = [r.val_loss for r in rs]
-        ratio = statistics.fmean(vals) / adamw_val
+        ratios = [v / a for v, a in zip(vals, adamw, strict=True)]
+        mean, low, high = ratio_interval(ratios)
         rows.append(
             MemoryRow(
                 name=name,
                 val_losses=vals,
                 state_bytes_per_param=rs[0].state_bytes_per_param,
                 step_ms=statistics.fmean(r.step_ms for r in rs),
-                spread=spreads[name],
-                val_ratio=ratio,
-                verdict="baseline" if name == "adamw" else verdict(ratio, spread),
+                val_ratios=ratios,
+                val_ratio=mean,
+                low=math.nan if name == "adamw" else low,
+                high=math.nan if name == "adamw" else high,
+                verdict="baseline" if name == "adamw" else verdict(mean, low, high),
             )
         )
-    return {"rows": rows, "spread": spread, "runs": runs}
+    return {"rows": rows, "runs": runs}
+
+
+def _interval(r: MemoryRow) -> str:
+    if r.name == "adamw":
+        return "1 (baseline)"
+    return f"{fmt(r.val_ratio, '.3f')} [{fmt(r.low, '.3f')}, {fmt(r.high, '.3f')}]"
 
 
 def table(summary: dict, config: MemoryConfig) -> str:
@@ -156,8 +161,8 @@ def table(summary: dict, config: MemoryConfig) -> str:
         "opt.step ms",
         "x AdamW",
         f"val loss ({seeds})",
-        "seed spread",
-        "mean val x AdamW",
+        "val x AdamW, per seed",
+        "val x AdamW [95 % interval]",
         "verdict",
     ]
     body = [header, ["---"] + ["---:"] * 7 + ["---"]]
@@ -170,8 +175,8 @@ def table(summary: dict, config: MemoryConfig) -> str:
                 fmt(r.step_ms, ".2f"),
                 fmt(r.step_ms / base.step_ms, ".2f"),
                 ", ".join(fmt(v, ".4f") for v in r.val_losses),
-                f"{100 * r.spread:.1f} %",
-                fmt(r.val_ratio, ".3f"),
+                ", ".join(fmt(v, ".3f") for v in r.val_ratios),
+                _interval(r),
                 r.verdict,
             ]
         )
@@ -191,35 +196,50 @@ EXPLANATION = (
     "State B/param: optimizer_state_nbytes / parameters. Opt.step ms: mean "
     "optimizer.step() time (first step excluded, which builds the state), mean over "
     "the seeds. Val loss: mean over fixed validation batches after training (nats "
-    "per byte), one per seed. Seed spread: (max - min) / mean of the optimizer's "
-    "validation losses over the seeds. Verdict: the mean validation loss against "
-    "AdamW's, 'within run-to-run noise' when the difference is at most the largest "
-    "seed spread of the run."
+    "per byte), one per seed. Val x AdamW, per seed: the run's val loss over AdamW's "
+    "of the same seed (same initial weights and batches); their spread is the "
+    "run-to-run noise. Interval: geometric mean of those ratios and its 95 % "
+    "interval (Student t on the log ratios; with two seeds it is wide). Verdict: "
+    "'within run-to-run noise' when the interval holds 1, else how far worse or "
+    "better."
 )
 
 
 def record(summary: dict) -> dict:
     """The axis' entries of compare.json."""
     return {
-        "spread": summary["spread"],
         "rows": [asdict(r) for r in summary["rows"]],
         "runs": {name: [asdict(r) for r in rs] for name, rs in summary["runs"].items()},
     }
 
 
 def plot(ax, summary: dict) -> None:
-    """Validation loss per optimizer: one dot per seed, the mean, AdamW's band."""
-    rows = summary["rows"]
-    base = statistics.fmean(next(r for r in rows if r.name == "adamw").val_losses)
-    half = base * summary["spread"]
-    ax.axhspan(base - half, base + half, color="0.85", label="AdamW ± spread")
+    """Val loss over AdamW's per Gefen setting: one dot per seed, the geometric mean
+    and its 95 % interval (clipped to the axes when two seeds make it very wide)."""
+    rows = [r for r in summary["rows"] if r.name != "adamw"]
+    ax.axhline(1.0, color="0.5", lw=1, label="AdamW")
+    spread = [v for r in rows for v in r.val_ratios]
+    lo, hi = min(spread + [1.0]), max(spread + [1.0])
+    pad = max(0.02, 0.5 * (hi - lo))
     for k, r in enumerate(rows):
-        ax.scatter([k] * len(r.val_losses), r.val_losses, color=f"C{k}", zorder=3)
-        ax.hlines(statistics.fmean(r.val_losses), k - 0.25, k + 0.25, color=f"C{k}")
+        ax.scatter([k] * len(r.val_ratios), r.val_ratios, color=f"C{k}", zorder=3)
+        if math.isfinite(r.low):
+            ax.errorbar(
+                [k + 0.15],
+                [r.val_ratio],
+                yerr=[[r.val_ratio - r.low], [r.high - r.val_ratio]],
+                fmt="s",
+                color=f"C{k}",
+                capsize=4,
+            )
+    ax.set_ylim(lo - pad, hi + pad)
     labels = [
         f"{OPTIMIZER_LABELS.get(r.name, r.name)}\n{r.state_bytes_per_param:.2f} B/param"
         for r in rows
     ]
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
-    ax.set(ylabel="val loss (nats/byte)", title="memory: val loss per seed")
+    ax.set(
+        ylabel="val loss / AdamW's (same seed)",
+        title="memory: paired ratio per seed, mean [95 %]",
+    )
     ax.legend(fontsize=7)

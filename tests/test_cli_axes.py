@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 
 import pytest
 
@@ -69,21 +70,24 @@ def test_memory_axis_spread_verdict_and_state_bytes(tiny, tmp_path, capsys):
     for s in range(2):
         assert len({rs[s]["train_losses"][0] for rs in runs.values()}) == 1
     assert runs["adamw"][0]["train_losses"][0] != runs["adamw"][1]["train_losses"][0]
-    # The spread and the verdicts, recomputed from the validation losses.
+    # Paired ratios, their interval and the verdicts, recomputed from the losses.
     vals = {n: [r["val_loss"] for r in rs] for n, rs in runs.items()}
-    spreads = {n: (max(v) - min(v)) / (sum(v) / len(v)) for n, v in vals.items()}
-    assert axis["spread"] == pytest.approx(max(spreads.values()))
-    adamw_mean = sum(vals["adamw"]) / 2
     body = _rows(md, "memory")[2:]
     assert body == _rows(stdout, "memory")[2:]  # printed == saved
     assert [r[0] for r in body] == ["AdamW", "Gefen 8-bit", "Gefen 4-bit"]
     for row, name in zip(body, ["adamw", "gefen8", "gefen4"], strict=True):
-        ratio = sum(vals[name]) / 2 / adamw_mean
-        assert row[7] == f"{ratio:.3f}"
         assert row[5] == ", ".join(f"{v:.4f}" for v in vals[name])
-        if name != "adamw":
-            assert row[8] == verdict(ratio, max(spreads.values()))
-            assert row[8] in axis["verdict"]
+        ratios = [v / a for v, a in zip(vals[name], vals["adamw"], strict=True)]
+        assert row[6] == ", ".join(f"{r:.3f}" for r in ratios)
+        if name == "adamw":
+            continue
+        logs = [math.log(r) for r in ratios]
+        half = 12.71 * statistics.stdev(logs) / math.sqrt(2)  # t(0.975, 1 dof)
+        mean = math.exp(statistics.fmean(logs))
+        low, high = mean * math.exp(-half), mean * math.exp(half)
+        assert row[7] == f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+        assert row[8] == verdict(mean, low, high)
+        assert row[8] in axis["verdict"]
     # AdamW: two fp32 moments per element and a 4-byte step per tensor.
     model = GPT.default()
     n_params = model.num_params()
@@ -99,17 +103,18 @@ def test_memory_axis_spread_verdict_and_state_bytes(tiny, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "ratio, spread, expected",
+    "ratio, low, high, expected",
     [
-        (1.004, 0.01, "within run-to-run noise (+0.4 %)"),
-        (0.992, 0.01, "within run-to-run noise (-0.8 %)"),
-        (1.05, 0.01, "5.0 % worse, outside it"),
-        (0.93, 0.02, "7.0 % better, outside it"),
-        (math.nan, 0.01, "did not train (non-finite loss)"),
+        (1.004, 0.99, 1.02, "within run-to-run noise (+0.4 %)"),
+        (1.05, 0.91, 1.21, "within run-to-run noise (+5.0 %)"),
+        (0.992, 0.95, 1.0, "within run-to-run noise (-0.8 %)"),
+        (1.05, 1.01, 1.09, "5.0 % worse, outside it"),
+        (0.93, 0.90, 0.96, "7.0 % better, outside it"),
+        (math.nan, math.nan, math.nan, "did not train (non-finite loss)"),
     ],
 )
-def test_verdict_wording(ratio, spread, expected):
-    assert verdict(ratio, spread) == expected
+def test_verdict_wording(ratio, low, high, expected):
+    assert verdict(ratio, low, high) == expected
 
 
 def test_curvature_axis_steps_and_seconds_to_target(tiny, tmp_path, capsys):
