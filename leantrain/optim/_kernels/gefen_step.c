@@ -1,6 +1,7 @@
 /*
  * Gefen's fused CPU step for one fp32 or bf16 parameter (leantrain,
- * docs/CONTRACTS.md).
+ * docs/CONTRACTS.md). Why it exists: CPU speed (one pass per block, one call per
+ * step for all parameters); leantrain/optim/_step.py is its oracle.
  *
  * Plain C99 + OpenMP, no torch headers: leantrain/optim/_native.py compiles this file
  * on first use with `gcc -O3 -march=native -fopenmp -ffp-contract=off` and calls it
