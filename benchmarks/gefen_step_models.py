@@ -3,9 +3,9 @@
 Every contender steps the same model with the same fixed gradients:
 
 * torch AdamW, default (foreach on CPU) and ``fused=True``;
-* Gefen 8-bit and 4-bit with every other option at its default (``opt.step``,
-  everything a training loop pays: the non-finite check, the per-step bookkeeping,
-  the kernel);
+* Gefen 8-bit and 4-bit with every other option at its default, and 8-bit with
+  ``second_moment="factored"`` (``opt.step``, everything a training loop pays: the
+  non-finite check, the per-step bookkeeping, the kernel);
 * ``p.add_(g)`` over every parameter: the memory-traffic reference, a step that
   reads p and g and writes p and does nothing else.
 
@@ -104,8 +104,9 @@ class Contender:
             opt = torch.optim.AdamW(self.params, **HYPER)
         elif kind == "adamw-fused":
             opt = torch.optim.AdamW(self.params, **HYPER, fused=True)
-        else:
-            opt = Gefen(self.params, **HYPER, momentum_bits=int(kind))
+        else:  # "8", "4", or "8f": 8-bit with the factored second moment
+            extra = {"second_moment": "factored"} if kind.endswith("f") else {}
+            opt = Gefen(self.params, **HYPER, momentum_bits=int(kind[0]), **extra)
         opt.step()  # creates the state (and Gefen's partition and codebook)
         self.step = opt.step
         self.bytes = (
@@ -118,6 +119,7 @@ CONTENDERS = (
     ("torch AdamW (fused=True)", "adamw-fused"),
     ("Gefen 8-bit (defaults)", "8"),
     ("Gefen 4-bit (defaults)", "4"),
+    ("Gefen 8-bit, factored v", "8f"),
     ("p.add_(g) (bandwidth reference)", "add"),
 )
 

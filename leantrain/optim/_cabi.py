@@ -84,9 +84,21 @@ class _Job(ctypes.Structure):
         ("h", ctypes.c_void_p),  # lt_hyper *
         ("io", ctypes.c_void_p),  # lt_io *
         ("rows", ctypes.c_int64),  # > 0: a factored state (factored.py)
-        ("cbar", ctypes.c_float),
-        ("unused2", ctypes.c_int32),
+        ("cbar", ctypes.c_float),  # with advanced: the factors' column mean
+        ("advanced", ctypes.c_int32),  # 1: factors advanced here; 0: by the kernel
+        ("step", ctypes.c_void_p),  # float *: set, the kernel advances the step
+        ("opts", ctypes.c_void_p),  # lt_opts *: the scalars' source, with step
+        ("seed", ctypes.c_int64),  # the rounding streams' seed, with step
     ]
+
+
+class Opts(ctypes.Structure):
+    # Same order and types as lt_opts in gefen_job.h: a group's options, from
+    # which the kernel derives the per-step scalars of jobs with a step pointer.
+    _fields_ = [
+        (name, ctypes.c_double)
+        for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "max_step")
+    ] + [("maximize", ctypes.c_int64)]
 
 
 # id(library) -> its largest chunk, once its struct layouts were checked
@@ -105,6 +117,7 @@ def checked_library(lib: ctypes.CDLL) -> int:
             or lib.lt_sizeof_hyper() != ctypes.sizeof(_Hyper)
             or lib.lt_sizeof_io() != ctypes.sizeof(_Io)
             or lib.lt_sizeof_job() != ctypes.sizeof(_Job)
+            or lib.lt_sizeof_opts() != ctypes.sizeof(Opts)
         ):
             raise RuntimeError("the native kernel's struct layouts differ from _cabi's")
         max_chunk = _checked[id(lib)] = lib.lt_max_chunk()
@@ -164,6 +177,9 @@ def static_job(
         int(state["factored"]) if "factored" in state else 0,
         0.0,
         0,
+        None,
+        None,
+        0,
     )
     return job, keep
 
@@ -188,7 +204,9 @@ def c_job(
     (one object per distinct value: parameters of a group share them), which the
     caller keeps, with the tensors, until :func:`launch` returns. ``hyper``: the
     dict of ``_fused.hyperparameters`` or its values in ``_Hyper``'s field order;
-    ``static``: this parameter's :func:`static_job`, when the caller keeps one."""
+    ``static``: this parameter's :func:`static_job`, when the caller keeps one;
+    ``cbar``: a factored state's column mean when the caller already advanced its
+    factors (None: the kernel advances them in its first phase)."""
     bits = layout[2]
     template, keep = static or static_job(param, state, layout)
     interned["static", id(template)] = (template, keep)
@@ -219,22 +237,35 @@ def c_job(
     job.grad = grad.data_ptr()
     job.h = ctypes.addressof(h)
     job.io = ctypes.addressof(io)
-    job.cbar = cbar if cbar is not None else 0.0
+    if cbar is not None:  # the caller advanced the factors; else the kernel does
+        job.cbar, job.advanced = cbar, 1
     return job
 
 
-def launch(lib: ctypes.CDLL, jobs: list[_Job], chunk: int, threads: int) -> None:
+def launch(
+    lib: ctypes.CDLL, jobs, chunk: int, threads: int, check: bool = False
+) -> int | None:
     """One kernel call for every job (threads share out blocks of all of them).
+
+    ``jobs``: a list of :class:`_Job` or a ctypes array of them. With ``check`` the
+    kernel's first phase also tests every gradient for NaN and infinities.
+
+    Returns:
+        None, or (with ``check``) the index of the first job whose gradient is not
+        finite: then nothing was changed.
 
     Raises:
         MemoryError: the kernel's per-thread buffers do not fit (nothing changed).
         ValueError: the kernel rejected a job (nothing changed).
     """
-    array = (_Job * len(jobs))(*jobs)
-    rc = lib.lt_gefen_step_many(array, len(jobs), chunk, threads)
+    array = jobs if isinstance(jobs, ctypes.Array) else (_Job * len(jobs))(*jobs)
+    rc = lib.lt_gefen_step_many(array, len(array), chunk, threads, int(check))
+    if rc > 0:
+        return rc - 1
     if rc == -6:  # its scratch buffers; nothing was changed
         raise MemoryError(
             f"the C kernel could not allocate {threads} x {chunk} buffers"
         )
     if rc != 0:
         raise ValueError(f"the C kernel rejected its arguments (code {rc})")
+    return None

@@ -119,7 +119,8 @@ def c_step(
     ``key``; see :mod:`leantrain.optim.precision`); with ``code_key`` its codes
     are rounded stochastically (:mod:`.code_rounding`); ``index0`` is the global
     flat index of its first element (a shard's offset); ``cbar``: a factored state's
-    column-factor mean (its factors already updated). ``lib`` is the loaded library
+    column-factor mean when the caller already advanced its factors (None: the
+    kernel's first phase advances them from ``grad``). ``lib`` is the loaded library
     (default: :func:`_native.load`); ``checked`` says the caller already had
     :func:`_c_problem` accept these tensors (``fused_step``: one check per step).
 
@@ -296,7 +297,6 @@ def fused_step(
     state["step"] += 1
     key = rounding_key(seed, int(state["step"])) if stochastic else 0
     ckey = code_key(seed, int(state["step"])) if codes_sr else None
-    cbar = advance_factors(grad, state, beta2)
     hyper = hyperparameters(
         float(state["step"]),
         lr=lr,
@@ -319,11 +319,11 @@ def fused_step(
             key=key,
             code_key=ckey,
             index0=index0,
-            cbar=cbar,
             lib=lib,
             checked=True,
-        )
+        )  # the kernel advances a factored state's factors itself
     else:
+        cbar = advance_factors(grad, state, beta2)
         torch_step(
             param,
             grad,

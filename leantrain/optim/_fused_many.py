@@ -4,9 +4,11 @@ A model holds many parameters, most of them small (norms, biases): one kernel ca
 each costs ~30 µs of Python and a parallel region apiece, ~4 ms per step on a
 117-tensor GPT. :func:`step_many` checks every parameter first, then hands all the
 kernel's parameters to one call, whose threads share out the blocks of all of them
-(``lt_gefen_step_many`` in ``_kernels/gefen_step.c``). Parameters the kernel cannot
-take (fp16, CUDA, no compiler) step one by one through ``fused_step``. The result is
-that of ``fused_step`` on each parameter in turn, bit for bit.
+(``lt_gefen_step_many`` in ``_kernels/gefen_step.c``; its first phase advances a
+factored second moment's factors). Parameters the kernel cannot take (fp16, CUDA,
+no compiler) step one by one through ``fused_step``. The result is that of
+``fused_step`` on each parameter in turn, bit for bit. A steady step skips even
+this: ``_fused_plan`` keeps the jobs built here and makes the call directly.
 """
 
 from __future__ import annotations
@@ -177,17 +179,10 @@ def _launch_all(
 ) -> None:
     """One kernel call for every checked item; their steps advance after it."""
     jobs, interned = [], {}  # interned: the jobs' scalars, alive until launch returns
-    # factored states advance their factors first; put back if the launch fails
-    saved = [
-        (item.state, item.state["exp_avg_sq"].clone())
-        for item, *_ in native
-        if "factored" in item.state
-    ]
     hypers: dict[tuple, tuple] = {}  # items of one group share their scalars
     for item, layout, stochastic, codes_sr, static in native:
         step = float(item.state["step"]) + 1
         key = rounding_key(item.seed, int(step)) if stochastic else 0
-        cbar = _fused.advance_factors(item.grad, item.state, item.beta2)
         options = (
             item.lr,
             item.beta1,
@@ -215,18 +210,13 @@ def _launch_all(
                 interned=interned,
                 code_key=code_key(item.seed, int(step)) if codes_sr else None,
                 index0=item.index0,
-                cbar=cbar,
                 static=static,
             )
         )
     total = sum(item.param.numel() for item, *_ in native)
     threads = torch.get_num_threads() if total >= _fused._THREAD_MIN else 1
     max_chunk = _cabi.checked_library(lib)
-    try:
-        _cabi.launch(lib, jobs, _fused.C_CHUNK or max_chunk, threads)
-    except (MemoryError, ValueError):
-        for state, factors in saved:
-            state["exp_avg_sq"].copy_(factors)
-        raise
+    # factored states' factors advance inside the call (its first phase)
+    _cabi.launch(lib, jobs, _fused.C_CHUNK or max_chunk, threads)
     for item, *_ in native:
         item.state["step"] += 1

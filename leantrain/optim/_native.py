@@ -37,6 +37,7 @@ HEADERS = (
     "gefen_job.h",
     "gefen_sr.h",
     "gefen_factored.h",
+    "gefen_prepass.h",
 )
 LIBRARY = "leantrain_kernels"
 # -ffp-contract=off: the kernel writes every fused multiply-add it wants (to round
@@ -141,7 +142,7 @@ def build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
 def _declare(lib: ctypes.CDLL) -> None:
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.lt_gefen_step_many.restype = ctypes.c_int
-    lib.lt_gefen_step_many.argtypes = [pointer, i32, i64, i32]
+    lib.lt_gefen_step_many.argtypes = [pointer, i32, i64, i32, i32]
     lib.lt_codebook_dp.restype = ctypes.c_double
     lib.lt_codebook_dp.argtypes = [pointer] * 5 + [i64, i64, pointer, pointer]
     lib.lt_all_finite.restype = ctypes.c_int
@@ -153,6 +154,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "lt_sizeof_hyper",
         "lt_sizeof_io",
         "lt_sizeof_job",
+        "lt_sizeof_opts",
         "lt_max_chunk",
     ):
         getattr(lib, name).restype = ctypes.c_int

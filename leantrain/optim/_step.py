@@ -2,6 +2,8 @@ r"""The reference Gefen step: one parameter, plain PyTorch, readable.
 
 This is the definition of Gefen's update (docs/CONTRACTS.md, "One step for one
 parameter"); a fast path must take the same arguments and match it in a parity test.
+Why it exists: it is the oracle. ``step()`` never runs it; it is written for reading,
+not speed.
 It is AdamW (decoupled weight decay, bias correction, eps outside the sqrt) with
 
 * a second moment per block of p contiguous elements,

@@ -10,6 +10,9 @@ chunks); a block longer than a chunk is done in two passes over sub-chunks (stat
 then quantize and update), recomputing the momentum rather than storing it.
 
 On CUDA the chunk function is compiled with ``torch.compile`` (Triton).
+
+Why it exists: machines without a C compiler, and tensors the kernel does not take
+(fp16, non-contiguous); compiled, it is also the GPU step (the CUDA chunk).
 """
 
 from __future__ import annotations

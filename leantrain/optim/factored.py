@@ -19,10 +19,13 @@ blocks: more on small matrices, less on large ones.
 State: ``exp_avg_sq`` holds ``[r, c]`` (fp32, ``R + C``) and ``factored`` (0-dim
 int64) holds ``R``. The momentum's absmax keeps its blocks of ``qblock`` elements.
 Every step path updates the factors before its element loop (the column means need
-the whole gradient; the fast paths share :func:`update_factors`, whose means of
-``g^2`` come from one C pass on CPU, else from torch over bounded chunks of rows) and
-computes each element's ``v`` as ``(r[i] * c[j]) / cbar`` in fp32, two
-separate roundings, as the C kernel does.
+the whole gradient) and computes each element's ``v`` as ``(r[i] * c[j]) / cbar``
+in fp32, two separate roundings. The C kernel does both inside its one call per
+step: a first phase sums ``g^2`` by rows and columns (in double, over row chunks
+fixed by the shape) and checks the gradients for NaN and infinities in the same
+read (``_kernels/gefen_prepass.h``). The PyTorch fallback uses
+:func:`update_factors`, whose means come from the same C sums where a compiled
+library exists, else from torch over bounded chunks of rows.
 """
 
 from __future__ import annotations
@@ -154,8 +157,10 @@ def _native_means(grad: Tensor, rows: int) -> tuple[Tensor, Tensor] | None:
 
 def mean_column(factors: Tensor, rows: int) -> float:
     """:math:`\\bar c`, the mean of the column factor, as the fp32 value every path
-    divides by."""
-    return float(factors[rows:].mean())
+    divides by: summed in double and rounded once (the C kernel sums in double
+    too, in another order, so the two agree but for a tie at fp32's rounding)."""
+    mean = factors[rows:].double().mean()
+    return float(mean.float())
 
 
 def factored_v(factors: Tensor, rows: int, cbar: float, start: int, end: int) -> Tensor:

@@ -4,7 +4,8 @@ The class is bookkeeping only (param groups, lazy state, the first-step partitio
 and codebook, checkpoints, the non-finite gradient policy); the update itself is the
 pure function ``_step.reference_step``; ``step()`` runs its fused twin
 ``_fused.fused_step`` (a C kernel, or chunked PyTorch without a compiler), which a
-parity test holds equal to the reference.
+parity test holds equal to the reference. A steady step (same parameters, states
+and options as the last) is one kernel call through the cached ``_fused_plan``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from . import _checks, _dist, code_rounding
 from . import _reducible_partition as _partition
 from ._first_codebook import learn_first_codebook
 from ._fused_many import StepItem, step_many
+from ._fused_plan import StepPlan
 from ._sharded import new_local_state
 from ._state import check_factored, new_state, state_bits
 from ._state_dict import (
@@ -338,6 +340,11 @@ class Gefen(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = self.__dict__.get("_plan")  # _fused_plan: a steady step, one call
+        if plan is not None:
+            if plan.run(self) is not None:
+                return loss
+            self._plan = None  # something changed: the full path, then a new plan
         active = self._active()
         if not self._all_finite(active):
             return loss
@@ -404,6 +411,8 @@ class Gefen(Optimizer):
         step_many(items, self.__dict__.setdefault("_step_cache", {}))
         if straddling:
             straddling_step(self.state, straddling)
+        else:
+            self._plan = StepPlan.build(self, active, items)
         return loss
 
     def _template_step(self, active: list[tuple[dict, Tensor, str]]) -> bool:

@@ -7,6 +7,14 @@
 #ifndef LT_GEFEN_JOB_H
 #define LT_GEFEN_JOB_H
 
+/* A param group's options, for jobs whose kernel call advances their step
+   (lt_job.step): the per-step scalars are derived from them. */
+typedef struct {
+  double lr, beta1, beta2, eps, weight_decay;
+  double max_step; /* lr * update_clip, already rounded to fp32 (inf: no clip) */
+  int64_t maximize;
+} lt_opts;
+
 /* One parameter's step: its tensors, layout and per-step scalars. */
 typedef struct {
   void *param;
@@ -18,11 +26,16 @@ typedef struct {
   int64_t n, period, block;
   int32_t bits, unused;
   const lt_quantizer *q;
-  const lt_hyper *h;
-  const lt_io *io;
+  lt_hyper *h; /* written by the kernel when `step` is set */
+  lt_io *io;   /* its keys too */
   int64_t rows; /* > 0: v holds a factored state's [r (rows), c (n / rows)] */
-  float cbar;   /* their column mean (factored.py) */
-  int32_t unused2;
+  float cbar;   /* with `advanced`: their column mean (factored.py) */
+  int32_t advanced; /* 1: the caller advanced the factors; 0: the kernel does */
+  float *step;  /* the state's step counter: the kernel advances it and derives h
+                   and io's keys from opts and seed; 0: the caller did (h and io
+                   are then only read) */
+  const lt_opts *opts;
+  int64_t seed; /* the rounding streams' seed (the parameter's position) */
 } lt_job;
 
 /* 0, or a negative number naming the invalid argument. */
@@ -36,6 +49,7 @@ static int lt_check_job(const lt_job *j) {
     return -4;
   if (j->io == 0 || j->h == 0) return -7;
   if (j->rows < 0 || (j->rows > 0 && j->n % j->rows != 0)) return -8;
+  if (j->step != 0 && j->opts == 0) return -9;
   return 0;
 }
 

@@ -1,6 +1,7 @@
 /*
  * Gefen's fused CPU step for one fp32 or bf16 parameter (leantrain,
- * docs/CONTRACTS.md).
+ * docs/CONTRACTS.md). Why it exists: CPU speed (one pass per block, one call per
+ * step for all parameters); leantrain/optim/_step.py is its oracle.
  *
  * Plain C99 + OpenMP, no torch headers: leantrain/optim/_native.py compiles this file
  * on first use with `gcc -O3 -march=native -fopenmp -ffp-contract=off` and calls it
@@ -39,7 +40,9 @@
  * be 1 ulp off, so the two can differ by an ulp of the update.
  *
  * Nearest code: see gefen_codes.h; stochastic codes: gefen_sr.h; a factored
- * second moment's v: gefen_factored.h; bf16 I/O: gefen_io.h (all included here).
+ * second moment's v: gefen_factored.h; bf16 I/O: gefen_io.h; the first phase of a
+ * call (factor sums, the non-finite check, step counters): gefen_prepass.h (all
+ * included here).
  */
 #include <math.h>
 #include <stdint.h>
@@ -305,16 +308,24 @@ static void lt_block(void *param, const void *grad, float *restrict v,
   }
 }
 
-#include "gefen_job.h" /* lt_job, its check, lt_plan: after lt_hyper */
+#include "gefen_job.h"     /* lt_job, its check, lt_plan: after lt_hyper */
+#include "gefen_prepass.h" /* the first phase: factor sums, finite check, steps */
 
-/* One step of `count` parameters in one parallel region: threads take grabs of
-   ~16K elements (whole blocks, pairs of blocks when 4-bit codes of an odd block
-   length would share a byte) from every job, dynamically; blocks are
-   independent, so the result is the same for any thread count or order.
-   Returns 0, or a negative number naming the invalid argument (then nothing was
-   changed: every job is checked and the buffers allocated before any work). */
+/* One step of `count` parameters in one call, in two phases. The first
+   (gefen_prepass.h) reads every gradient once, before anything changes: the
+   factored jobs' row and column sums of g^2 and, with `check`, the non-finite
+   test of every gradient; then it advances the step counters and scalars of jobs
+   that ask for it, and the factors. The second, the element loop, runs in one
+   parallel region: threads take grabs of ~16K elements (whole blocks, pairs of
+   blocks when 4-bit codes of an odd block length would share a byte) from every
+   job, dynamically; blocks are independent, so the result is the same for any
+   thread count or order.
+   Returns 0; or 1 + the index of the first job with a non-finite gradient (with
+   `check`; nothing was changed); or a negative number naming the invalid argument
+   (nothing was changed: every job is checked and the buffers allocated before any
+   work). */
 int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
-                       int32_t nthreads) {
+                       int32_t nthreads, int32_t check) {
   if (count < 0 || (count > 0 && jobs == 0)) return -1;
   if (chunk < 1 || chunk > LT_MAX_CHUNK) return -5;
   for (int32_t i = 0; i < count; i++) {
@@ -324,9 +335,11 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
   if (nthreads < 1) nthreads = 1;
   lt_plan *plan = malloc(sizeof(lt_plan) * (size_t)(count > 0 ? count : 1));
   int64_t *first = malloc(sizeof(int64_t) * (size_t)(count + 1)); /* grab offsets */
-  if (plan == 0 || first == 0) {
+  float *cbar = malloc(sizeof(float) * (size_t)(count > 0 ? count : 1));
+  if (plan == 0 || first == 0 || cbar == 0) {
     free(plan);
     free(first);
+    free(cbar);
     return -6;
   }
   int64_t cmax = 1;
@@ -350,10 +363,13 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
      loaded and a stored stream make the CPU stall on false store-load aliasing. */
   const size_t c = (size_t)cmax, gap = 320, per = (c * 25 + 7 * gap + 63) / 64 * 64;
   char *arena = malloc(per * (size_t)nt);
-  if (arena == 0) {
+  const int64_t pre = arena ? lt_prepass(jobs, count, check, nthreads, cbar) : -6;
+  if (pre != 0) {
+    free(arena);
     free(plan);
     free(first);
-    return -6;
+    free(cbar);
+    return (int)pre;
   }
 
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -385,7 +401,7 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
       const int64_t u1 = u0 + pl->grab < pl->nunits ? u0 + pl->grab : pl->nunits;
       const int64_t b_end = u1 * pl->unit < pl->nblocks ? u1 * pl->unit : pl->nblocks;
       const lt_factors fac = {j->v, j->v + (j->rows > 0 ? j->rows : 0),
-                              j->rows > 0 ? j->n / j->rows : 1, j->cbar};
+                              j->rows > 0 ? j->n / j->rows : 1, cbar[lo]};
       for (int64_t b = u0 * pl->unit; b < b_end; b++) {
         const int64_t s = b * j->block;
         const int64_t len = s + j->block <= j->n ? j->block : j->n - s;
@@ -398,6 +414,7 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
   free(arena);
   free(plan);
   free(first);
+  free(cbar);
   return 0;
 }
 
@@ -406,4 +423,5 @@ int lt_sizeof_quantizer(void) { return (int)sizeof(lt_quantizer); }
 int lt_sizeof_hyper(void) { return (int)sizeof(lt_hyper); }
 int lt_sizeof_io(void) { return (int)sizeof(lt_io); }
 int lt_sizeof_job(void) { return (int)sizeof(lt_job); }
+int lt_sizeof_opts(void) { return (int)sizeof(lt_opts); }
 int lt_max_chunk(void) { return LT_MAX_CHUNK; }
