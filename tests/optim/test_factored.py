@@ -309,25 +309,52 @@ def test_with_exact_zero_moves_only_the_code_nearest_zero():
         assert out[0] == -1 and out[-1] == 1
 
 
-def test_auto_factors_four_bit_matrices_only():
-    """second_moment="auto" (the default): factors for 4-bit momentum with the
-    automatic partition on parameters that factor; blocks everywhere else."""
+def test_factors_are_small_at_one_thirty_second_of_a_byte_per_element():
+    """8-bit and fp32 momentum factor where 4 (R + C) <= R C / 32, by hand."""
+    assert factored.factors_are_small(256, 256)  # 2,048 bytes = 65,536 / 32
+    assert not factored.factors_are_small(255, 256)
+    assert factored.factors_are_small(1024, 256) and factored.factors_are_small(512, 512)
+    assert not factored.factors_are_small(512, 64)  # 2,304 bytes > 1,024
+    assert not factored.factors_are_small(64, 20) and not factored.factors_are_small(3, 64)
+
+
+def _wide_mlp():
+    torch.manual_seed(0)  # hidden 256 x 256: the only matrix whose factors are small
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 3),
+    )
+
+
+def test_auto_factors_four_bit_matrices_and_large_eight_bit_ones():
+    """second_moment="auto" (the default), with the automatic partition: factors
+    every matrix for 4-bit momentum, and for 8-bit or fp32 momentum the matrices
+    whose factors cost <= 1/32 byte per element; blocks everywhere else."""
     cases = [
-        ({"momentum_bits": 4}, True),
-        ({"momentum_bits": 8}, False),
-        ({"momentum_bits": None}, False),
-        ({"momentum_bits": 4, "partition": 64}, False),
-        ({"momentum_bits": 4, "partition": "tensor"}, False),
-        ({"momentum_bits": 8, "second_moment": "factored"}, True),
-        ({"momentum_bits": 4, "second_moment": "blocks"}, False),
+        ({"momentum_bits": 4}, "all"),
+        ({"momentum_bits": 8}, "large"),
+        ({"momentum_bits": None}, "large"),
+        ({"momentum_bits": 4, "partition": 64}, "none"),
+        ({"momentum_bits": 8, "partition": 64}, "none"),
+        ({"momentum_bits": 4, "partition": "tensor"}, "none"),
+        ({"momentum_bits": 8, "second_moment": "factored"}, "all"),
+        ({"momentum_bits": 4, "second_moment": "blocks"}, "none"),
+        ({"momentum_bits": 8, "second_moment": "blocks"}, "none"),
     ]
-    for options, factors in cases:
-        model = _mlp()
+    for options, which in cases:
+        model = _wide_mlp()
         opt = Gefen(model.parameters(), lr=1e-2, **options)
-        _train(model, opt, 1)
+        g = torch.Generator().manual_seed(0)
+        model(torch.randn(16, 20, generator=g)).square().mean().backward()
+        opt.step()
         for p, state in opt.state.items():
-            assert ("factored" in state) == (factors and p.ndim == 2), options
-    # per group: only the 4-bit group factors
+            large = tuple(p.shape) == (256, 256)
+            want = {"all": p.ndim == 2, "large": large, "none": False}[which]
+            assert ("factored" in state) == want, (options, tuple(p.shape))
+    # per group: only the 4-bit group factors its small matrix
     model = _mlp()
     opt = Gefen(
         [
