@@ -124,8 +124,9 @@ def update_clip_of(group: dict, state: dict | None = None) -> float | None:
     if isinstance(clip, str) and clip == "auto":
         if group["momentum_bits"] != 4 or state is None:
             return None
-        own_v = "factored" in state or int(state.get("period", 0)) == 1
-        return AUTO_UPDATE_CLIP if own_v else None
+        from .code_rounding import own_v
+
+        return AUTO_UPDATE_CLIP if own_v(state) else None
     if clip is None:
         return None
     if isinstance(clip, str) or isinstance(clip, bool):

@@ -73,7 +73,7 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
             beta2=float(beta2),
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
-            stochastic_codes=code_rounding.group_stochastic(group),
+            stochastic_codes=code_rounding.group_stochastic(group, states[param]),
             seed=seed,
             update_clip=update_clip_of(group, states[param]),
         )

@@ -393,7 +393,6 @@ class Gefen(Optimizer):
                     "weight_decay": float(group["weight_decay"]),
                     "maximize": group["maximize"],
                     "stochastic_rounding": group.get("stochastic_rounding"),
-                    "stochastic_codes": code_rounding.group_stochastic(group),
                 }
             sharded = _dist.is_sharded(param)
             items.append(
@@ -403,6 +402,7 @@ class Gefen(Optimizer):
                     state,
                     **shared,
                     seed=seed,
+                    stochastic_codes=code_rounding.group_stochastic(group, state),
                     update_clip=_checks.update_clip_of(group, state),
                     index0=_dist.my_span(param).start if sharded else 0,
                 )

@@ -362,3 +362,36 @@ def test_gefen_follows_the_option(bits, rounding):
             n = p.numel()
             diff = codes_of(opt.state[p], n) != codes_of(st, n)
             assert int(diff.sum()) <= 2
+
+
+@pytest.mark.parametrize("options", [{}, {"partition": "element"}])
+def test_eight_bit_auto_codes_on_a_weights_own_v_let_stopped_weights_stop(options):
+    """On a second moment of the weight's own (a 256 x 256 matrix, which "auto"
+    factors, or partition="element"), a weight whose gradients stopped steps by its
+    momentum residue over its own sqrt(v), which keeps decaying: with nearest codes
+    the residue stays and the step grows. "auto" rounds such 8-bit codes
+    stochastically, so the stopped weights come to rest, as in AdamW."""
+
+    def stopped_steps(rounding):
+        p = torch.nn.Parameter(torch.zeros(256, 256))
+        opt = Gefen(
+            [p], lr=1e-3, weight_decay=0.0, momentum_rounding=rounding, **options
+        )
+        g = torch.Generator().manual_seed(0)
+        steps = []
+        for t in range(1500):
+            grad = torch.randn(256, 256, generator=g) * 1e-3
+            if t >= 50:
+                grad[:, :32] = 0.0  # inputs 0-31 of every row get no more gradient
+            p.grad = grad
+            before = p.detach()[:, :32].clone()
+            opt.step()
+            steps.append(float((p.detach()[:, :32] - before).abs().max()) / 1e-3)
+        return opt.state[p], steps
+
+    state, auto = stopped_steps("auto")
+    assert ("factored" in state) == (not options)
+    assert (int(state["period"]) == 1) == bool(options)
+    _, nearest = stopped_steps("nearest")
+    assert auto[-1] == 0.0 and max(auto[1000:]) == 0.0
+    assert nearest[-1] > 1.3 * nearest[600] > 0.0  # the stopped weights' steps grow

@@ -313,9 +313,13 @@ def test_factors_are_small_at_one_thirty_second_of_a_byte_per_element():
     """8-bit and fp32 momentum factor where 4 (R + C) <= R C / 32, by hand."""
     assert factored.factors_are_small(256, 256)  # 2,048 bytes = 65,536 / 32
     assert not factored.factors_are_small(255, 256)
-    assert factored.factors_are_small(1024, 256) and factored.factors_are_small(512, 512)
+    assert factored.factors_are_small(1024, 256) and factored.factors_are_small(
+        512, 512
+    )
     assert not factored.factors_are_small(512, 64)  # 2,304 bytes > 1,024
-    assert not factored.factors_are_small(64, 20) and not factored.factors_are_small(3, 64)
+    assert not factored.factors_are_small(64, 20) and not factored.factors_are_small(
+        3, 64
+    )
 
 
 def _wide_mlp():

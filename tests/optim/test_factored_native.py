@@ -192,7 +192,7 @@ def test_gefen_factored_matches_the_reference_step(bits):
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
                 maximize=False,
-                stochastic_codes=group_stochastic(group),
+                stochastic_codes=group_stochastic(group, ref_s),
                 seed=seed,
                 update_clip=_checks.update_clip_of(group, ref_s),
             )
