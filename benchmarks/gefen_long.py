@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gefen_quality import make_optimizer  # noqa: E402
 from gefen_seeds import parse_seeds, summary  # noqa: E402
 
+from leantrain._schedule import warmup_cosine  # noqa: E402
 from leantrain.data import TokenBatches, fixed_token_batches, load_stdlib_text  # noqa: E402
 from leantrain.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 from leantrain.optim import Gefen  # noqa: E402
@@ -127,18 +128,6 @@ def build_optimizer(setting: str, model: torch.nn.Module, lr: float):
     return Gefen([g for g in groups if g["params"]], **opt.defaults)
 
 
-def warmup_cosine(config: Config):
-    """LambdaLR factor: linear warm-up, then cosine from 1 down to 0.1."""
-
-    def factor(step: int) -> float:
-        if step < config.warmup:
-            return (step + 1) / config.warmup
-        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
 def eval_steps(steps: int) -> list[int]:
     """Steps after which the validation loss is measured (every 5 %)."""
     return sorted({max(1, round(steps * k / N_EVALS)) for k in range(1, N_EVALS + 1)})
@@ -157,7 +146,9 @@ def train(setting: str, seed: int, config: Config) -> dict:
         )
     )
     opt = build_optimizer(setting, model, config.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(config))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine(config.warmup, config.steps)
+    )
     val = fixed_token_batches(
         corpus.val, config.val_batches, block_size=config.block_size,
         batch_size=16, seed=1234,

@@ -203,12 +203,23 @@ def evaluate(model: nn.Module, task: Task) -> float:
 
 
 def train_one(
-    task: Task, name: str, steps: int, lr: float, progress: Callable[[float], None]
+    task: Task,
+    name: str,
+    steps: int,
+    lr: float,
+    progress: Callable[[float], None],
+    schedule: Callable[[int], float] | None = None,
 ) -> RunResult:
-    """Train a copy of ``task.model`` with optimizer ``name``; measure everything."""
+    """Train a copy of ``task.model`` with optimizer ``name``; measure everything.
+
+    ``schedule``: a ``LambdaLR`` factor of the step (None: constant ``lr``).
+    """
     model = copy.deepcopy(task.model)  # same initial weights for every optimizer
     model.train()
     optimizer = OPTIMIZERS[name](model.parameters(), lr)
+    scheduler = None
+    if schedule is not None:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     result = RunResult(name)
     fwd_bwd, opt_step = [], []
     for batch, _ in zip(task.batches(), range(steps), strict=False):
@@ -219,6 +230,8 @@ def train_one(
         t1 = time.perf_counter()
         optimizer.step()
         t2 = time.perf_counter()
+        if scheduler is not None:
+            scheduler.step()
         fwd_bwd.append(t1 - t0)
         opt_step.append(t2 - t1)
         result.train_losses.append(loss.item())

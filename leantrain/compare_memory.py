@@ -1,59 +1,101 @@
 """The memory axis of ``leantrain compare``: AdamW against Gefen 8-bit and 4-bit.
 
-Every optimizer trains the small GPT (``GPT.default()`` on the embedded text) once
-per seed; within a seed every optimizer starts from the same weights and sees the
-same batches, so each seed gives one *paired* ratio: a Gefen run's validation loss
-over AdamW's. The run-to-run spread is the spread of these ratios over the seeds,
-measured in the same comparison. A Gefen row's verdict is worded from the geometric
-mean of its ratios and their 95 % interval (Student t on the log ratios,
+Every optimizer trains a small GPT (d = 256, one block, context 32) on the embedded
+text with a linear warm-up and a cosine decay, once per seed; within a seed every
+optimizer starts from the same weights and sees the same batches, so each seed
+gives one *paired* ratio: a Gefen run's validation loss over AdamW's. The
+run-to-run spread is the spread of these ratios over the seeds, measured in the same
+comparison. A Gefen row's verdict is worded from the geometric mean of its ratios
+and their 95 % interval (Student t on the log ratios,
 :func:`leantrain._stats.ratio_interval`): "within run-to-run noise" when the
-interval holds 1, otherwise "x % worse (or better), outside it". On this model the
-ratio moves by a few percent from seed to seed (when a seed leaves the loss plateau
-varies), so two seeds resolve only large differences; docs/compare.md has the
-sixteen-seed figures.
+interval holds 1, otherwise "x % worse (or better), outside it". The model and the
+schedule are those of the long-run benchmark (``benchmarks/gefen_long.py``), at a
+third of its length: by then the loss has left its first plateau and the paired
+ratios of one setting stay within about 1 % of each other, so three seeds resolve a
+gap of about 1.5 %.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-from leantrain._report import fmt, markdown_table
-from leantrain._stats import ratio_interval
-from leantrain.compare import OPTIMIZER_LABELS, TASKS, RunResult, train_one
-from leantrain.compare_jobs import Job
+import torch
 
-_TASKS: dict = {}  # per process: the task of each (seed, batch size)
+from leantrain._report import fmt, markdown_table
+from leantrain._schedule import warmup_cosine
+from leantrain._stats import ratio_interval
+from leantrain.compare import OPTIMIZER_LABELS, RunResult, Task, train_one
+from leantrain.compare_jobs import Job
+from leantrain.data import TokenBatches, fixed_token_batches, load_corpus
+from leantrain.models import GPT, GPTConfig, lm_loss
+
+_TASKS: dict = {}  # per process: the task of each (config, seed)
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """What the memory axis trains (``steps`` of ``batch_size`` sequences)."""
+    """What the memory axis trains: a GPT of ``d_model`` x ``n_layer`` blocks on
+    ``block_size``-byte windows, ``steps`` of ``batch_size`` sequences."""
 
     optimizers: tuple[str, ...] = ("adamw", "gefen8", "gefen4")
-    seeds: tuple[int, ...] = (0, 1)
-    # 250 steps leave the first plateau (val loss about 2.9 from step 50 to 150)
-    # and keep six runs on two cores within the time budget.
-    steps: int = 250
-    batch_size: int = 16
-    lr: float = 2e-3
+    seeds: tuple[int, ...] = (0, 1, 2)  # three: two resolve only gaps of ~5 %
+    d_model: int = 256  # the long-run benchmark's model: Gefen's matrices factor
+    n_layer: int = 1
+    n_head: int = 8
+    block_size: int = 32
+    # 700 steps leave the first plateau (val loss 2.5-2.6 until about step 250)
+    # and keep nine runs on two cores within the time budget.
+    steps: int = 700
+    warmup: int = 35  # 5 % of the steps, then cosine to 10 % of lr
+    batch_size: int = 8
+    lr: float = 1e-3
+    val_batches: int = 16  # of 16 windows each
     data: str = "stdlib"
-    seconds_per_step: float = 0.2  # a rough cost, to schedule the longest first
+    seconds_per_step: float = 0.02  # a rough cost, to schedule the longest first
 
 
 DEFAULT = MemoryConfig()
 
 
-def _task(config: MemoryConfig, seed: int):
-    key = (config.data, seed, config.batch_size)
-    if key not in _TASKS:  # the corpus is read once per process
-        args = argparse.Namespace(
-            data=config.data, seed=seed, batch_size=config.batch_size
+def _task(config: MemoryConfig, seed: int) -> Task:
+    key = (config, seed)
+    if key not in _TASKS:  # the corpus is read and the model built once per process
+        corpus = load_corpus(config.data)
+        torch.manual_seed(seed)
+        model = GPT(
+            GPTConfig(
+                d_model=config.d_model,
+                n_layer=config.n_layer,
+                n_head=config.n_head,
+                block_size=config.block_size,
+            )
         )
-        _TASKS[key] = TASKS["gpt"].build(args)
+        val = fixed_token_batches(
+            corpus.val,
+            config.val_batches,
+            block_size=config.block_size,
+            batch_size=16,
+            seed=1234,
+        )
+        _TASKS[key] = Task(
+            description=f"GPT d_model {config.d_model}, {config.n_layer} block(s), "
+            f"context {config.block_size} ({model.num_params():,} params), "
+            f"byte-level text '{corpus.name}' ({len(corpus.train):,} train bytes)",
+            model=model,
+            batches=lambda: iter(
+                TokenBatches(
+                    corpus.train,
+                    block_size=config.block_size,
+                    batch_size=config.batch_size,
+                    seed=seed,
+                )
+            ),
+            val_batches=val,
+            criterion=lm_loss,
+        )
     return _TASKS[key]
 
 
@@ -62,7 +104,14 @@ def train_memory_run(
 ) -> RunResult:
     """One optimizer, one seed (a job of :func:`jobs`)."""
     task = _task(config, seed)
-    return train_one(task, name, config.steps, config.lr, lambda _loss: progress())
+    return train_one(
+        task,
+        name,
+        config.steps,
+        config.lr,
+        lambda _loss: progress(),
+        schedule=warmup_cosine(config.warmup, config.steps),
+    )
 
 
 def jobs(config: MemoryConfig) -> list[Job]:
@@ -188,7 +237,8 @@ def settings(config: MemoryConfig, summary: dict) -> str:
     first = _task(config, config.seeds[0])
     return (
         f"{first.description}; {config.steps} steps, batch {config.batch_size}, "
-        f"lr {config.lr}, seeds {', '.join(map(str, config.seeds))}"
+        f"lr {config.lr} with a {config.warmup}-step warm-up and a cosine decay to "
+        f"10 %, seeds {', '.join(map(str, config.seeds))}"
     )
 
 
@@ -199,7 +249,7 @@ EXPLANATION = (
     "per byte), one per seed. Val x AdamW, per seed: the run's val loss over AdamW's "
     "of the same seed (same initial weights and batches); their spread is the "
     "run-to-run noise. Interval: geometric mean of those ratios and its 95 % "
-    "interval (Student t on the log ratios; with two seeds it is wide). Verdict: "
+    "interval (Student t on the log ratios). Verdict: "
     "'within run-to-run noise' when the interval holds 1, else how far worse or "
     "better."
 )
@@ -215,7 +265,7 @@ def record(summary: dict) -> dict:
 
 def plot(ax, summary: dict) -> None:
     """Val loss over AdamW's per Gefen setting: one dot per seed, the geometric mean
-    and its 95 % interval (clipped to the axes when two seeds make it very wide)."""
+    and its 95 % interval (clipped to the axes when it is very wide)."""
     rows = [r for r in summary["rows"] if r.name != "adamw"]
     ax.axhline(1.0, color="0.5", lw=1, label="AdamW")
     spread = [v for r in rows for v in r.val_ratios]

@@ -309,14 +309,14 @@ def test_default_compare_finishes_in_three_minutes(tmp_path, capsys):
         assert title in md and title in stdout
     memory = record["axes"]["memory"]
     assert set(memory["runs"]) == {"adamw", "gefen8", "gefen4"}
-    assert all(len(rs) == 2 for rs in memory["runs"].values())  # two seeds each
-    # Every run has left the first plateau (val loss about 2.9 nats/byte there)
+    assert all(len(rs) == 3 for rs in memory["runs"].values())  # three seeds each
+    # Every run has left the first plateau (val loss 2.5-2.6 nats/byte there)
     # and beats the best context-free model, the unigram entropy of the bytes.
     train = load_stdlib_text().train.long()
     p = torch.bincount(train, minlength=256).double() / len(train)
     unigram_entropy = float(-(p[p > 0] * p[p > 0].log()).sum())
     losses = [r["val_loss"] for rs in memory["runs"].values() for r in rs]
-    assert max(losses) < min(2.8, unigram_entropy)
+    assert max(losses) < min(2.4, unigram_entropy)
     curvature = record["axes"]["curvature"]
     assert [r["name"] for r in curvature["rows"]] == ["adamw", "kfac", "shampoo_10"]
     assert all(r["status"] == "ok" for r in curvature["rows"])

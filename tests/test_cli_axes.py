@@ -18,10 +18,19 @@ from leantrain.cli import main
 from leantrain.compare_memory import verdict
 from leantrain.layer_parallel import LayerTimes
 from leantrain.layer_parallel.simulate import CommModel, simulate
-from leantrain.models import GPT
+from leantrain.models import GPT, GPTConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
-TINY_MEMORY = dataclasses.replace(compare_memory.DEFAULT, steps=3, batch_size=2)
+TINY_MEMORY = dataclasses.replace(
+    compare_memory.DEFAULT,
+    d_model=32,
+    n_head=4,
+    block_size=16,
+    steps=3,
+    warmup=2,
+    batch_size=2,
+    val_batches=2,
+)
 TINY_CURVATURE = dataclasses.replace(compare_curvature.DEFAULT, steps=6, batch_size=16)
 TINY_DEPTH = dataclasses.replace(
     compare_depth.DEFAULT,
@@ -64,10 +73,10 @@ def test_memory_axis_spread_verdict_and_state_bytes(tiny, tmp_path, capsys):
     md, stdout, record = _run(tmp_path, capsys, "memory", "--seed", "5")
     axis = record["axes"]["memory"]
     assert list(record["axes"]) == ["memory"]
-    assert axis["config"]["seeds"] == [5, 6]  # --seed shifts both seeds
+    assert axis["config"]["seeds"] == [5, 6, 7]  # --seed shifts every seed
     runs = axis["runs"]
     # Same init and first batch within a seed, different ones across seeds.
-    for s in range(2):
+    for s in range(3):
         assert len({rs[s]["train_losses"][0] for rs in runs.values()}) == 1
     assert runs["adamw"][0]["train_losses"][0] != runs["adamw"][1]["train_losses"][0]
     # Paired ratios, their interval and the verdicts, recomputed from the losses.
@@ -82,14 +91,14 @@ def test_memory_axis_spread_verdict_and_state_bytes(tiny, tmp_path, capsys):
         if name == "adamw":
             continue
         logs = [math.log(r) for r in ratios]
-        half = 12.71 * statistics.stdev(logs) / math.sqrt(2)  # t(0.975, 1 dof)
+        half = 4.30 * statistics.stdev(logs) / math.sqrt(3)  # t(0.975, 2 dof)
         mean = math.exp(statistics.fmean(logs))
         low, high = mean * math.exp(-half), mean * math.exp(half)
         assert row[7] == f"{mean:.3f} [{low:.3f}, {high:.3f}]"
         assert row[8] == verdict(mean, low, high)
         assert row[8] in axis["verdict"]
     # AdamW: two fp32 moments per element and a 4-byte step per tensor.
-    model = GPT.default()
+    model = GPT(GPTConfig(d_model=32, n_layer=1, n_head=4, block_size=16))
     n_params = model.num_params()
     n_tensors = len(list(model.parameters()))
     rows = {r["name"]: r for r in axis["rows"]}

@@ -112,15 +112,6 @@ def test_groups_cover_the_gpt_and_the_swap_makes_an_element_group(bench):
         bench.build_optimizer("peer:nope", model, 1e-3)
 
 
-def test_warmup_cosine_schedule(bench):
-    factor = bench.warmup_cosine(bench.Config(steps=100, warmup=10))
-    assert factor(0) == pytest.approx(0.1)
-    assert factor(9) == pytest.approx(1.0)
-    assert factor(10) == pytest.approx(1.0)
-    assert factor(55) == pytest.approx(0.55)
-    assert factor(100) == pytest.approx(0.1)
-
-
 def test_quick_run_writes_the_results_table_and_plot(bench, tmp_path, capsys):
     out, png = tmp_path / "r.jsonl", tmp_path / "r.png"
     argv = ["--quick", "--seeds", "0-1", "--jobs", "1", "--out", str(out)]
