@@ -104,8 +104,8 @@ class Contender:
             opt = torch.optim.AdamW(self.params, **HYPER)
         elif kind == "adamw-fused":
             opt = torch.optim.AdamW(self.params, **HYPER, fused=True)
-        else:  # "8", "4", or "8f": 8-bit with the factored second moment
-            extra = {"second_moment": "factored"} if kind.endswith("f") else {}
+        else:  # "8", "4", or "8b": 8-bit with blocks (nearest codes: the fast path)
+            extra = {"second_moment": "blocks"} if kind.endswith("b") else {}
             opt = Gefen(self.params, **HYPER, momentum_bits=int(kind[0]), **extra)
         opt.step()  # creates the state (and Gefen's partition and codebook)
         self.step = opt.step
@@ -119,7 +119,7 @@ CONTENDERS = (
     ("torch AdamW (fused=True)", "adamw-fused"),
     ("Gefen 8-bit (defaults)", "8"),
     ("Gefen 4-bit (defaults)", "4"),
-    ("Gefen 8-bit, factored v", "8f"),
+    ("Gefen 8-bit, blocks v", "8b"),
     ("p.add_(g) (bandwidth reference)", "add"),
 )
 

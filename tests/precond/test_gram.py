@@ -164,8 +164,8 @@ def test_low_rank_must_be_a_bool():
 
 @pytest.mark.parametrize(("interval", "low_rank"), [(1, True), (1, False), (2, True)])
 def test_bfloat16_model_is_preconditioned_like_its_float32_copy(interval, low_rank):
-    # LAPACK has no bfloat16: factors are float32 and the solves run there (a bf16
-    # model at the default interval 1 used to raise NotImplementedError).
+    # LAPACK has no bfloat16: factors are float32 and the solves run there, so a
+    # bf16 model is preconditioned at the default interval 1 too.
     torch.manual_seed(0)
     net32 = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
     net16 = copy.deepcopy(net32).to(torch.bfloat16)
