@@ -310,7 +310,7 @@ def test_default_compare_finishes_in_three_minutes(tmp_path, capsys):
     memory = record["axes"]["memory"]
     assert set(memory["runs"]) == {"adamw", "gefen8", "gefen4"}
     assert all(len(rs) == 3 for rs in memory["runs"].values())  # three seeds each
-    # Every run has left the first plateau (val loss 2.5-2.6 nats/byte there)
+    # Every run has left the first plateau (training loss about 2.5 nats/byte there)
     # and beats the best context-free model, the unigram entropy of the bytes.
     train = load_stdlib_text().train.long()
     p = torch.bincount(train, minlength=256).double() / len(train)
