@@ -21,6 +21,26 @@ from torch.utils.checkpoint import checkpoint
 from leantrain.layer_parallel import LayerParallel
 from leantrain.models import GPT, GPTConfig
 from leantrain.models.blocks import ResidualStack
+from leantrain.optim import Gefen, GefenMuon, muon_param_groups
+
+OPTIMIZERS = {
+    "gefen8": lambda m: Gefen(m.parameters(), lr=1e-2),
+    "gefen4": lambda m: Gefen(m.parameters(), lr=1e-2, momentum_bits=4),
+    "gefen_muon": lambda m: GefenMuon(muon_param_groups(m), lr=1e-2, adamw_lr=1e-2),
+}
+
+
+def gefen_as_adamw(model: nn.Module) -> Gefen:
+    return Gefen(model.parameters(), lr=1e-2, partition="element", momentum_bits=None)
+
+
+def adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def sgd(model: nn.Module) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
 
 STEPS = 4
 # Which of a model's two ``freezable`` parts have requires_grad=False at each step:
@@ -252,29 +272,21 @@ def _relative_error(got: nn.Module, want: nn.Module) -> float:
 
 def no_sync_worker(rank: int, world_size: int) -> dict[str, float]:
     """DDP with 2 micro-batches per rank, the first under ``no_sync``, vs this
-    process stepping the union batch alone; the largest relative parameter error
-    of Gefen 8-bit (``ConvNet``) and of LayerParallel (``depth_model``, SGD)."""
-    from leantrain.optim import Gefen
-
-    cases = {
-        "gefen8": (
-            lambda: ConvNet().double(),
-            lambda m: Gefen(m.parameters(), lr=1e-2),
-        ),
-        "layer_parallel": (
-            lambda: depth_model(Loop(), layer_parallel=True),
-            lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-        ),
-    }
+    process stepping the union batch alone (float64): the largest relative
+    parameter error per axis (``ConvNet``; LayerParallel: ``depth_model``, SGD)."""
     errors = {}
-    for name, (build, make_opt) in cases.items():
-        model, alone = build(), build()
-        if name == "layer_parallel":
-            alone.stack = ResidualStack(list(alone.stack.steps), t_final=1.0)
+    for axis in [*OPTIMIZERS, "gefen_as_adamw", "layer_parallel"]:
+        if axis == "layer_parallel":
+            model = depth_model(Loop(), layer_parallel=True)
+            alone = depth_model(Loop(), layer_parallel=False)
+            opt, opt_alone = sgd(model), sgd(alone)
+        else:
+            model, alone = ConvNet().double(), ConvNet().double()
+            make = gefen_as_adamw if axis == "gefen_as_adamw" else OPTIMIZERS[axis]
+            opt = make(model)
+            opt_alone = adamw(alone) if axis == "gefen_as_adamw" else make(alone)
         ddp = nn.parallel.DistributedDataParallel(model)
-        opt, opt_alone = make_opt(model), make_opt(alone)
-        dtype = next(model.parameters()).dtype
-        for x, y in batches(model, dtype):
+        for x, y in batches(model, torch.float64):
             opt.zero_grad()
             opt_alone.zero_grad()
             (alone(x) - y).square().sum().div(len(x)).backward()
@@ -286,5 +298,5 @@ def no_sync_worker(rank: int, world_size: int) -> dict[str, float]:
                 with sync:  # DDP averages over ranks: each rank's share is / 4
                     (ddp(xs) - ys).square().sum().div(4).backward()
             opt.step()
-        errors[name] = _relative_error(model, alone)
+        errors[axis] = _relative_error(model, alone)
     return errors
