@@ -147,6 +147,7 @@ def depth_model(loop: Loop, layer_parallel: bool) -> nn.Module:
         steps = [Checkpointed(s, loop.reentrant) for s in steps]
     if layer_parallel:
         options = {"cf": 2, "fwd_iters": 2, "bwd_iters": 2, "skip_downcycle": False}
+        options["on_divergence"] = "raise"
         model.stack = LayerParallel(steps, t_final=1.0, **options)
     else:
         model.stack = ResidualStack(steps, t_final=1.0)
@@ -198,7 +199,7 @@ def train(
         twin = build(Loop()).to(next(model.parameters()).dtype)
         twin.opt = make_opt(twin)
     with warnings.catch_warnings():
-        # an inf loss: MGRIT warns of its adjoint, Gefen of the step it skips
+        # an inf loss: Gefen warns of the step it skips
         warnings.simplefilter("ignore", RuntimeWarning)
         _run(loop, model, opt, twin)
     return (twin, twin.opt) if twin is not None else (model, opt)
