@@ -12,10 +12,12 @@ exactness against the serial stack under the same pattern, trained with SGD.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
 
+from leantrain.layer_parallel import Controller
 from tests.distributed.launch import run_distributed
 from tests.patterns._optim_builders import (
     FROZEN,
@@ -24,6 +26,7 @@ from tests.patterns._optim_builders import (
     ConvNet,
     Loop,
     adamw,
+    batches,
     depth_model,
     gefen_as_adamw,
     no_sync_worker,
@@ -153,6 +156,26 @@ def test_layer_parallel_pattern_equals_serial(pattern):
     want, _ = train(loop, functools.partial(depth_model, layer_parallel=False), sgd)
     assert model.stack.stats.forward.iterations == 2
     assert_close(model, want, LP_TOL.get(pattern, 1e-10))
+
+
+def test_layer_parallel_controller_waits_out_a_grad_scaler_overflow():
+    """A check batch whose scaled loss overflowed measures nothing (the adjoint
+    starts from inf): the Controller checks the next batch instead of switching
+    the stack to serial."""
+    model = depth_model(Loop(amp=FP16), layer_parallel=True)
+    ctrl = Controller(model, every=2, policy="serial")
+    opt, scaler = sgd(model), torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for i, (x, y) in enumerate(batches(model, torch.float32)):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=FP16):
+            loss = (model(x).float() - y).square().mean()
+        scaler.scale(loss * (math.inf if i == 0 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        ctrl.step()
+    assert scaler.get_scale() == 2.0**7  # the first step overflowed and was skipped
+    assert not ctrl.switched
+    assert [(d.batch, d.action) for d in ctrl.records] == [(1, "keep"), (2, "keep")]
 
 
 @pytest.mark.distributed
