@@ -50,7 +50,8 @@ REENTRANT_CHECKPOINT = (
     "LayerParallel takes each layer's vector-Jacobian product with "
     "torch.autograd.grad, which reentrant activation checkpointing "
     "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True)) inside a layer "
-    "does not support; checkpoint the layer with use_reentrant=False"
+    "does not support; checkpoint the layer with use_reentrant=False (or run the "
+    "stack with .serial(), plain autograd)"
 )
 
 

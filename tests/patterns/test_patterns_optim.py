@@ -143,6 +143,12 @@ def test_gefen_as_adamw_under_pattern(pattern):
     assert _steps_taken(model, opt) == _steps_taken(want, want_opt)
 
 
+def _serial_mode(loop):
+    model = depth_model(loop, layer_parallel=True)
+    model.stack.serial()
+    return model
+
+
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_layer_parallel_pattern_equals_serial(pattern):
     loop = PATTERNS[pattern][0]
@@ -151,6 +157,9 @@ def test_layer_parallel_pattern_equals_serial(pattern):
         error, match = LP_REFUSED[pattern]
         with pytest.raises(error, match=match):
             train(loop, parallel, sgd)
+        model, _ = train(loop, _serial_mode, sgd)  # the error's other way out
+        want, _ = train(loop, functools.partial(depth_model, layer_parallel=False), sgd)
+        assert_close(model, want, 0.0)
         return
     model, _ = train(loop, parallel, sgd)
     want, _ = train(loop, functools.partial(depth_model, layer_parallel=False), sgd)
