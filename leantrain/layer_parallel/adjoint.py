@@ -46,6 +46,14 @@ from leantrain.layer_parallel.ode import (
 )
 from leantrain.layer_parallel.schedule import ChunkLayout, Exchange
 
+REENTRANT_CHECKPOINT = (
+    "LayerParallel takes each layer's vector-Jacobian product with "
+    "torch.autograd.grad, which reentrant activation checkpointing "
+    "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True)) inside a layer "
+    "does not support; checkpoint the layer with use_reentrant=False (or run the "
+    "stack with .serial(), plain autograd)"
+)
+
 
 def vjp(
     outputs: State,
@@ -64,13 +72,18 @@ def vjp(
     xs = list(as_tuple(inputs))
     wanted = [x for x in xs if x.requires_grad] + list(params)
     if pairs and wanted:
-        grads = torch.autograd.grad(
-            [y for y, _ in pairs],
-            wanted,
-            [w for _, w in pairs],
-            retain_graph=retain_graph,
-            allow_unused=True,
-        )
+        try:
+            grads = torch.autograd.grad(
+                [y for y, _ in pairs],
+                wanted,
+                [w for _, w in pairs],
+                retain_graph=retain_graph,
+                allow_unused=True,
+            )
+        except RuntimeError as err:
+            if "use_reentrant" in str(err):
+                raise RuntimeError(REENTRANT_CHECKPOINT) from err
+            raise
     else:
         grads = (None,) * len(wanted)
     it = iter(grads)

@@ -12,7 +12,9 @@ records none). From the residual histories it takes the convergence factor
 where the floor is ``100 eps ||u_C||`` (:attr:`~.mgrit.MGRITStats.floor`): float32
 residuals stall near ``1e-6`` of the state norm and their ratios read about 1, which
 is rounding noise, not divergence. A history entirely below the floor gives
-``rho = 0``; a non-finite residual gives ``rho = inf``.
+``rho = 0``; a non-finite residual gives ``rho = inf``, except in a solve that
+started from non-finite values (a GradScaler step that overflowed), which measures
+nothing: the next batch becomes the check batch.
 
 When ``rho > threshold`` the policy decides: ``"serial"`` switches every
 :class:`~.module.LayerParallel` to exact serial execution in place (distributed: the
@@ -177,6 +179,12 @@ class Controller:
                 s.set_iterations(f, b)
             self._saved = None
         elif self._saved is not None:
+            if self._unmeasured():
+                # The check batch's solves started from non-finite values (a
+                # GradScaler step that overflowed): nothing was measured, so the
+                # next batch, still with doubled iterations, is the check batch.
+                self.batch += 1
+                return None
             decision = self._decide()
         self.batch += 1
         self._arm()
@@ -223,6 +231,14 @@ class Controller:
                 s.serial()
             else:
                 s.parallel()
+
+    def _unmeasured(self) -> bool:
+        void = any(
+            _nonfinite_start(stats)
+            for s in self.stacks
+            for stats in (s.stats.forward, s.stats.backward)
+        )
+        return all_reduce_max([float(void)], self.group)[0] > 0
 
     def _decide(self) -> Decision:
         saved, self._saved = self._saved, None
@@ -276,6 +292,15 @@ class Controller:
         for s in self.stacks:
             s.serial()
         return "serial"
+
+
+def _nonfinite_start(stats: MGRITStats | None) -> bool:
+    # mgrit_solve's verdict on a solve from a non-finite start: None, not False
+    return (
+        stats is not None
+        and stats.converged is None
+        and not all(math.isfinite(r) for r in stats.history)
+    )
 
 
 def _history(stats: MGRITStats | None) -> list[float]:

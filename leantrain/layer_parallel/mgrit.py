@@ -41,7 +41,7 @@ from leantrain.layer_parallel.mgrit_phases import (
     restrict,
     serial_sweep,
 )
-from leantrain.layer_parallel.ode import State, sq_norm, zeros_like
+from leantrain.layer_parallel.ode import State, as_tuple, sq_norm, zeros_like
 from leantrain.layer_parallel.schedule import ChunkLayout, Exchange, LocalExchange
 
 
@@ -103,7 +103,8 @@ class MGRITStats:
         iterations: V-cycles run.
         converged: True when the last residual reached ``tol`` or the floor, or every
             residual fell; False when one grew (above the floor) or is not finite;
-            None when a single residual cannot tell.
+            None when a single residual cannot tell, or when ``u_0`` itself is not
+            finite (nothing can converge; a GradScaler skips such a step).
         floor: ``100 eps ||u_C||``; residuals below it are rounding noise.
         work: per cycle, per level, layer steps summed over all chunks.
         critical_path: per cycle, the steps of the slowest chunk plus the whole
@@ -352,7 +353,15 @@ def mgrit_solve(
     eps = torch.finfo(torch.as_tensor(_first(u0)).dtype).eps
     stats.floor = 100 * eps * norm(sum(c.c_sq_norm() for c in chunks))
     stats.converged = _judge(stats, options.tol)
+    if stats.converged is False and not _finite(u0):
+        # A non-finite start (the output gradient of a GradScaler step that
+        # overflowed) makes every residual non-finite: no verdict on convergence.
+        stats.converged = None
     return [u0, *(x for c in chunks for x in c.u[0][1:])], stats
+
+
+def _finite(u: State) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in as_tuple(u))
 
 
 def _first(u: State) -> torch.Tensor:

@@ -6,15 +6,17 @@ each costs ~30 µs of Python and a parallel region apiece, ~4 ms per step on a
 kernel's parameters to one call, whose threads share out the blocks of all of them
 (``lt_gefen_step_many`` in ``_kernels/gefen_step.c``; its first phase advances a
 factored second moment's factors). Parameters the kernel cannot take (fp16, CUDA,
-no compiler) step one by one through ``fused_step``. The result is that of
-``fused_step`` on each parameter in turn, bit for bit. A steady step skips even
+no compiler) step one by one through ``fused_step``; a non-contiguous one
+(channels_last, a transposed view) steps as a contiguous copy through the kernel.
+The result is that of ``fused_step`` on each parameter (on its contiguous copy)
+in turn, bit for bit. A steady step skips even
 this: ``_fused_plan`` keeps the jobs built here and makes the call directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -157,7 +159,14 @@ def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
     lib = _native.load()
     native: list[tuple[StepItem, tuple[int, int, int], bool, bool, tuple]] = []
     others: list[StepItem] = []
+    strided: list[tuple[Tensor, Tensor]] = []  # (parameter, its contiguous twin)
     for item in items:
+        if lib is not None and _kernel_layout_only(item):
+            twin = replace(
+                item, param=item.param.contiguous(), grad=item.grad.contiguous()
+            )
+            strided.append((item.param, twin.param))
+            item = twin
         checked = _checked(item, lib, cache)
         if checked is None:
             continue
@@ -172,6 +181,24 @@ def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
         _launch_all(lib, native)
     for item in others:
         item.one_step()
+    for param, twin in strided:
+        param.copy_(twin)
+
+
+def _kernel_layout_only(item: StepItem) -> bool:
+    """True when only the memory layout keeps the kernel from this item: a
+    channels_last or transposed CPU parameter or gradient of a kernel dtype. Such an
+    item steps as a contiguous copy (same logical, row-major element order) written
+    back after the call, so the layout never changes the result."""
+    param, grad = item.param, item.grad
+    if param.is_contiguous() and grad.is_contiguous():
+        return False
+    return all(
+        t.dtype in _fused._C_DTYPES
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        for t in (param, grad)
+    )
 
 
 def _launch_all(

@@ -119,6 +119,11 @@ def newton_schulz(
     """
     _check_matrix(G)
     check_ns_arguments(steps, tuple(coefficients), eps)
+    if torch.is_autocast_enabled(G.device.type):
+        # Under torch.autocast (an opt.step() inside the forward's autocast block)
+        # the matmuls would run in autocast's dtype, not ``dtype``.
+        with torch.autocast(G.device.type, enabled=False):
+            return newton_schulz(G, steps, coefficients, eps, dtype=dtype)
     a, b, c = coefficients
     X = G.to(dtype)
     tall = G.size(0) > G.size(1)
