@@ -32,12 +32,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from leantrain.precond._denormal import denormals_flushed
 from leantrain.precond._gram import LowRankFactor
 from leantrain.precond.curv import as_loss_spec
+from leantrain.precond.curv.extension import refuse_reentrant_checkpoint
 from leantrain.precond.curv.kinds import reduction_factor
 from leantrain.precond.gradient_maker import unwrap_model
 
-__all__ = ["LoopRecorder"]
+__all__ = ["LoopRecorder", "finish_step"]
 
 
 @dataclass
@@ -120,8 +122,11 @@ class LoopRecorder:
             calls, int(out.shape[0]), 1.0 / reduction_factor(spec, out, targets)
         )
         if not self.empirical:
-            for vector in maker._vectors(logits, None):
-                forward.passes.append(self._vector_pass(calls, outputs, logits, vector))
+            with refuse_reentrant_checkpoint(type(maker).__name__):
+                for vector in maker._vectors(logits, None):
+                    forward.passes.append(
+                        self._vector_pass(calls, outputs, logits, vector)
+                    )
         self._forwards.append(forward)
 
     def _vector_pass(
@@ -160,12 +165,14 @@ class LoopRecorder:
         return {name: op.combine(calls[name]) for name, op in coll.ops.items()}
 
     # -- the step --------------------------------------------------------------
-    def collect(self) -> None:
+    def collect(self, loss_scale: float = 1.0) -> None:
         """Fold the recorded micro-batches into the maker's pass results.
 
         Sets what the maker's own curvature pass sets (``_stats``, and for the
         hook-based natural-gradient family ``_full`` / ``_sites``), then forgets the
-        recording; the hooks stay attached.
+        recording; the hooks stay attached. ``loss_scale``: the factor the losses
+        were multiplied by before the backward (a GradScaler's), divided out of the
+        recorded output-gradients.
 
         Raises:
             RuntimeError: no model call was recorded, or a maker that keeps
@@ -200,7 +207,7 @@ class LoopRecorder:
             if self.empirical:
                 # The user's output-gradients are r_union * grad(l_n); the
                 # maker's vector is the loss gradient / sqrt(r_union).
-                scale = math.sqrt(union_inv_r)
+                scale = math.sqrt(union_inv_r) / loss_scale
                 passes = [{n: op.combine(f.calls[n]) for n, op in coll.ops.items()}]
             else:  # vectors of this micro-batch carry sqrt(r_j); the union sqrt(r)
                 scale = math.sqrt(f.inv_r / union_inv_r)
@@ -258,3 +265,37 @@ class LoopRecorder:
                 sum(p[i] * (f.batch / total) for p, f in zip(parts, live, strict=True))
                 for i in range(len(parts[0]))
             ]
+
+
+@torch.no_grad()
+def finish_step(maker: Any, recorder: LoopRecorder | None, loss_scale: float) -> None:
+    """What a maker's ``forward_and_backward`` runs after its curvature pass, for a
+    step whose forward and backward ran elsewhere (the user's loop, or the maker's
+    micro-batches): fold in the recorded micro-batches (``recorder``; ``None``:
+    statistics from ``.grad``), run the due updates on finite gradients, then
+    ``precondition()``; ``maker.step`` advances."""
+    from leantrain.precond._patterns import check_trainable
+    from leantrain.precond.preconditioned import all_finite
+
+    check_trainable(maker)
+    maker._check_total_steps()
+    curvature_due = maker.config.curvature_due(maker.step)
+    preconditioner_due = maker.config.preconditioner_due(maker.step)
+    if curvature_due:
+        if recorder is not None:
+            recorder.collect(loss_scale)
+        grads = [p.grad for p in maker.model.parameters() if p.grad is not None]
+        if not all_finite(grads):
+            # As the maker: discard this step's curvature, keep the gradient.
+            curvature_due = preconditioner_due = False
+            maker._warn_skipped("gradient")
+        else:
+            with denormals_flushed():
+                maker.update_curvature()
+            maker.curvature_updates += 1
+    with denormals_flushed():
+        if preconditioner_due:
+            maker.update_preconditioner()
+            maker.preconditioner_updates += 1
+        maker.precondition()
+    maker.step += 1

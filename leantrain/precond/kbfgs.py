@@ -44,6 +44,7 @@ from leantrain.precond._checks import check_extra_state
 from leantrain.precond._coverage import check_one_site
 from leantrain.precond._fisher import add_grads
 from leantrain.precond._kron import damped_inverse, read_canonical, write_canonical
+from leantrain.precond.curv.extension import records_evaluation
 from leantrain.precond.curv.modules import is_conv1d, make_op
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
@@ -114,6 +115,8 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         (torch.Size([8, 8]), 1)
     """
 
+    skips_frozen = False  # its state is fitted to the parameters it was built with
+
     def __init__(
         self,
         model: nn.Module,
@@ -169,8 +172,8 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
                 handle.remove()
 
     def _on_forward(self, name, records, module, args, output) -> None:
-        if not torch.is_grad_enabled() or evaluation.is_auxiliary():
-            return  # e.g. a layer-parallel solver's sweeps: not the gradient's
+        if not records_evaluation(name):
+            return  # a layer-parallel solver's sweeps, checkpointing's re-run
         op = self.ops[name]
         feats, tensors = op.record(args, output)
         a = feats["a"][0]  # (N, T, J)

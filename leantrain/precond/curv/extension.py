@@ -30,7 +30,8 @@ output-gradients are taken from the tensor hooks during a backward to the parame
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import torch
@@ -42,10 +43,64 @@ from ._mha import mha_forward
 from ._selection import build_ops, resolve_ignored
 from ._tied import TiedOp
 
-__all__ = ["SHAPES", "CurvatureCollector", "check_shape", "resolve_ignored"]
+__all__ = [
+    "SHAPES",
+    "CurvatureCollector",
+    "check_shape",
+    "records_evaluation",
+    "refuse_reentrant_checkpoint",
+    "resolve_ignored",
+]
 
 SHAPES = ("full", "layer", "kron", "unit", "diag")
 _FULL_CHUNK = 1 << 22
+
+
+def records_evaluation(module_name: str) -> bool:
+    """Whether a forward hook on ``module_name`` records the current evaluation.
+
+    Not under ``torch.no_grad()``, in an :func:`~leantrain.evaluation.auxiliary`
+    evaluation, or in activation checkpointing's non-reentrant re-run inside the
+    backward (the first evaluation was recorded and its graph carries the gradient).
+
+    Raises:
+        RuntimeError: in a reentrant checkpoint's re-run (``use_reentrant=True``):
+            the first evaluation ran without gradients and the re-run's graph lives
+            only inside the backward, where no curvature pass can reach it.
+    """
+    if not torch.is_grad_enabled() or evaluation.is_auxiliary():
+        return False
+    kind = evaluation.recomputation()
+    if kind == "reentrant":
+        raise RuntimeError(REENTRANT_CHECKPOINT.format(module_name))
+    return kind is None
+
+
+REENTRANT_CHECKPOINT = (
+    "module {!r} runs inside torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=True): its forward is evaluated without gradients and re-run "
+    "inside the backward, where the curvature statistics cannot be taken; pass "
+    "use_reentrant=False (the statistics are then those of the model without "
+    "checkpointing)"
+)
+
+
+@contextlib.contextmanager
+def refuse_reentrant_checkpoint(who: str) -> Iterator[None]:
+    """Turn torch's refusal of ``torch.autograd.grad`` through a reentrant checkpoint
+    into one that says what to do (a curvature pass asks autograd for gradients)."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err)
+        if "use_reentrant=True" not in text or "checkpoint" not in text:
+            raise
+        raise RuntimeError(
+            f"{who} takes gradients with torch.autograd.grad, which "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) does not "
+            "support; pass use_reentrant=False (the statistics are then those of the "
+            "model without checkpointing)"
+        ) from err
 
 
 def check_shape(shape: str) -> str:
@@ -175,7 +230,7 @@ class CurvatureCollector:
     def _record(
         self, name: str, args: tuple, output: object, module: nn.Module | None = None
     ) -> None:
-        if not torch.is_grad_enabled() or evaluation.is_auxiliary():
+        if not records_evaluation(name):
             return
         if evaluation.in_detached():
             # autograd.grad from the output cannot ask for these tensors: their
