@@ -95,8 +95,8 @@ def check_trainable(maker: Any) -> None:
         if not p.requires_grad and name not in maker._frozen_at_build:
             raise RuntimeError(
                 f"{cls}: parameter {name!r} was frozen after the maker was built, "
-                "which this method cannot skip (its state is fitted to the parameters it "
-                "was built with); build a new maker after freezing"
+                "which this method cannot skip (its state is fitted to the "
+                "parameters it was built with); build a new maker after freezing"
             )
 
 
