@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from leantrain.precond._denormal import denormals_flushed
+from leantrain.precond._denormal import autocast_off, curvature_arithmetic
 from leantrain.precond._gram import LowRankFactor
 from leantrain.precond.curv import as_loss_spec
 from leantrain.precond.curv.extension import refuse_reentrant_checkpoint
@@ -165,6 +165,7 @@ class LoopRecorder:
         return {name: op.combine(calls[name]) for name, op in coll.ops.items()}
 
     # -- the step --------------------------------------------------------------
+    @autocast_off()
     def collect(self, loss_scale: float = 1.0) -> None:
         """Fold the recorded micro-batches into the maker's pass results.
 
@@ -288,12 +289,12 @@ def finish_step(maker: Any, recorder: LoopRecorder | None, loss_scale: float) ->
         if not all_finite(grads):
             # As the maker: discard this step's curvature, keep the gradient.
             curvature_due = preconditioner_due = False
-            maker._warn_skipped("gradient")
+            maker._skip_curvature("gradient")
         else:
-            with denormals_flushed():
+            with curvature_arithmetic():
                 maker.update_curvature()
             maker.curvature_updates += 1
-    with denormals_flushed():
+    with curvature_arithmetic():
         if preconditioner_due:
             maker.update_preconditioner()
             maker.preconditioner_updates += 1

@@ -68,6 +68,24 @@ REFUSED_IN_LOOP: dict[str, str] = {
 }
 
 
+def _guard_module_hooks() -> None:
+    """Make ``torch.compile``'d calls of the model see the recorder's hooks.
+
+    Dynamo does not guard compiled graphs on module hooks by default
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced without
+    the hooks would keep running without them (no statistics), and one traced with
+    them would keep calling them after they are removed. With the guards, attaching
+    or removing the hooks selects the graph traced for that state (two graphs).
+    Entries compiled before carry no such guard, so they are dropped once.
+    """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    if getattr(config, "skip_nnmodule_hook_guards", False):
+        config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+
+
 def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -92,6 +110,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     batch. Whatever the trainer does to ``.grad`` before ``step()`` (clipping)
     happens before the preconditioning. Under ``GradScaler.step(optimizer)`` the
     curvature is taken from unscaled quantities and skipped steps record nothing.
+
+    A ``torch.compile``'d model works: building the optimizer turns on dynamo's
+    guards on module hooks, process-wide (``skip_nnmodule_hook_guards = False``,
+    dropping graphs compiled before once), so a compiled call runs the hooks
+    exactly when they are attached.
 
     Activation checkpointing (``torch.utils.checkpoint.checkpoint`` with
     ``use_reentrant=False``, Hugging Face's default) is recorded once per call: the
@@ -159,6 +182,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(maker, (KronFactorMaker, HookedMaker)):
             self._recorder: LoopRecorder | None = LoopRecorder(maker)
+            _guard_module_hooks()
         elif isinstance(maker, ShampooGradientMaker):
             self._recorder = None  # its statistics are the gradient itself
         else:

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from leantrain import evaluation
 from leantrain.precond._checks import check_extra_state
 from leantrain.precond._coverage import check_one_site
+from leantrain.precond._denormal import autocast_off
 from leantrain.precond._fisher import add_grads
 from leantrain.precond._kron import damped_inverse, read_canonical, write_canonical
 from leantrain.precond.curv.extension import records_evaluation
@@ -171,6 +172,7 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
             for handle in handles:
                 handle.remove()
 
+    @autocast_off()
     def _on_forward(self, name, records, module, args, output) -> None:
         if not records_evaluation(name):
             return  # a layer-parallel solver's sweeps, checkpointing's re-run
@@ -184,6 +186,7 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         rec = {"A": flat.T @ flat / n, "a_mean": flat.mean(0)}
         records[name] = rec
 
+        @autocast_off()
         def on_grad(grad: Tensor) -> None:
             if evaluation.is_auxiliary():
                 return

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from leantrain.precond import _patterns
 from leantrain.precond._checks import check_int
 from leantrain.precond._coverage import Coverage, coverage_of, warn_uncovered
-from leantrain.precond._denormal import denormals_flushed
+from leantrain.precond._denormal import curvature_arithmetic
 from leantrain.precond._schedule import PreconditioningConfig, is_due
 from leantrain.precond.curv.extension import refuse_reentrant_checkpoint
 from leantrain.precond.gradient_maker import (
@@ -291,14 +291,14 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
                 # inverses stay those of the last finite step. The gradient is
                 # written as it is (non-finite), for the scaler to skip the step.
                 curvature_due = preconditioner_due = False
-                self._warn_skipped("loss or gradient")
+                self._skip_curvature("loss or gradient")
             else:
-                with denormals_flushed():
+                with curvature_arithmetic():
                     self.update_curvature()
                 self.curvature_updates += 1
         # The model's own passes above run in the user's float mode; only the
         # curvature arithmetic flushes subnormals (see _denormal.py for why).
-        with denormals_flushed():
+        with curvature_arithmetic():
             if preconditioner_due:
                 self.update_preconditioner()
                 self.preconditioner_updates += 1
@@ -307,7 +307,9 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         self.step += 1
         return output, unscaled(loss, grad_scaler)
 
-    def _warn_skipped(self, what: str) -> None:
+    def _skip_curvature(self, what: str) -> None:
+        """Discard this step's curvature pass (non-finite ``what``); warn once."""
+        self._discard_pass()
         self.skipped_curvature_updates += 1
         if self.skipped_curvature_updates == 1:
             warnings.warn(
@@ -326,6 +328,10 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
     records_in_loop: bool = False
     # Whether a parameter frozen after construction (no ``.grad``) is skipped.
     skips_frozen: bool = True
+
+    def _discard_pass(self) -> None:
+        """Forget what a discarded curvature pass collected (beyond what the next
+        pass overwrites anyway)."""
 
     def _accumulation_refusal(self) -> str | None:
         """Why this maker cannot combine micro-batches (``None``: it can)."""

@@ -1,14 +1,14 @@
-"""Tiny float64 models, batches and training loops for the preconditioning
+"""Tiny float64 models, batches and one training loop for the preconditioning
 pattern matrix (tests/patterns/test_patterns_precond.py).
 
-Every loop returns the gradient each step leaves in ``.grad`` (after
-preconditioning) and the final parameters, so a pattern is compared with the
-eager, plain loop on the same batches.
+:func:`train` runs SGD steps either through a gradient maker's
+``forward_and_backward`` (form ``"gm"``) or through ``PreconditionedOptimizer`` in a
+plain loop (form ``"loop"``), with the pattern's options, and returns each step's
+``.grad`` (after preconditioning) followed by the final parameters.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -19,13 +19,11 @@ from torch.utils.checkpoint import checkpoint
 from leantrain.precond import make_gradient_maker, precondition_in_loop
 
 IN, HIDDEN, OUT, BATCH = 4, 5, 3, 8
-# Methods that keep one batch's per-example gradients or run the model themselves.
-GRADIENT_ONLY = {"shampoo", "shampoo_10"}
 
 
 class Net(nn.Module):
     """Linear-Tanh-Linear-Tanh-Linear; ``ckpt`` wraps ``l2`` ("layer") or
-    ``l1``-Tanh-``l2`` ("block") in ``torch.utils.checkpoint.checkpoint``."""
+    ``l1``-Tanh-``l2``-Tanh ("block") in ``torch.utils.checkpoint.checkpoint``."""
 
     def __init__(self, ckpt: str | None = None, reentrant: bool = False) -> None:
         super().__init__()
@@ -70,90 +68,102 @@ def conv_net(seed: int = 0) -> nn.Module:
     return ConvNet().double()
 
 
-def batches(n: int, *, batch: int = BATCH, image: bool = False, seed: int = 1):
+def batches(n: int, *, image: bool = False, seed: int = 1) -> list:
     gen = torch.Generator().manual_seed(seed)
-    shape = (batch, 2, 4, 4) if image else (batch, IN)
+    shape = (BATCH, 2, 4, 4) if image else (BATCH, IN)
     return [
         (
             torch.randn(*shape, generator=gen, dtype=torch.float64),
-            torch.randint(0, OUT, (batch,), generator=gen),
+            torch.randint(0, OUT, (BATCH,), generator=gen),
         )
         for _ in range(n)
     ]
 
 
-def maker(name: str, model: nn.Module, **kwargs):
-    """The registry's method with a schedule of every step (small damping kept)."""
-    return make_gradient_maker(name, model, **kwargs)
+def build(form: str, name: str, model: nn.Module, lr: float = 0.1, **options):
+    """``(maker, optimizer)``: the registry's method through the form's entry."""
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    if form == "gm":
+        return make_gradient_maker(name, model, **options), sgd
+    opt = precondition_in_loop(sgd, model, name, **options)
+    return opt.maker, opt
 
 
-def maker_loop(
+def train(
+    form: str,
     name: str,
     model: nn.Module,
     data: list,
     *,
     call: Callable | None = None,
-    loss_fn: Callable = F.cross_entropy,
+    micro: int = 1,
+    scaler: torch.amp.GradScaler | None = None,
     before_step: Callable | None = None,
-    make_kwargs: dict | None = None,
+    lr: float = 0.1,
+    skip_nonfinite: bool = False,
+    **options,
 ) -> list[list]:
-    """SGD steps through ``forward_and_backward``: each step's ``.grad``, then the
-    final parameters."""
-    gm = maker(name, model, **(make_kwargs or {}))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    grads = []
+    """Train on ``data``; each step's ``.grad`` then the final parameters.
+
+    ``micro``: micro-batches per step (losses divided by it; the maker gets
+    ``accumulation_steps=micro``). ``scaler``: a GradScaler used the usual way.
+    ``before_step(model)``: runs between the backward and the optimizer step.
+    ``skip_nonfinite``: no optimizer step on a non-finite gradient (what the
+    scaler does).
+    """
+    if micro > 1 and form == "gm":
+        options["config"] = {**options.get("config", {}), "accumulation_steps": micro}
+    gm, opt = build(form, name, model, lr=lr, **options)
+    call = model if call is None else call
+    out = []
     for x, t in data:
         opt.zero_grad()
-        y = gm.setup_model_call(call or model, x)
-        gm.setup_loss_call(loss_fn, y, t)
-        gm.forward_and_backward()
+        for xs, ts in zip(x.chunk(micro), t.chunk(micro), strict=True):
+            if form == "gm":
+                y = gm.setup_model_call(call, xs)
+                gm.setup_loss_call(lambda a, b: F.cross_entropy(a, b) / micro, y, ts)
+                gm.forward_and_backward(grad_scaler=scaler)
+            else:
+                loss = F.cross_entropy(call(xs), ts) / micro
+                (loss if scaler is None else scaler.scale(loss)).backward()
         if before_step is not None:
             before_step(model)
-        grads.append(
+        finite = all(
+            p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters()
+        )
+        if scaler is None and (finite or not skip_nonfinite):
+            opt.step()
+        elif scaler is not None:
+            scaler.step(opt)
+        # (scaler.step has unscaled .grad in place, or the loop's step() did)
+        out.append(
             [None if p.grad is None else p.grad.clone() for p in model.parameters()]
         )
-        opt.step()
-    return [*grads, [p.detach().clone() for p in model.parameters()]]
+        if scaler is not None:
+            scaler.update()
+    if form == "loop":
+        opt.close()
+    return [*out, [p.detach().clone() for p in model.parameters()]]
 
 
-def loop_in_loop(
-    name: str,
-    model: nn.Module,
-    data: list,
-    *,
-    call: Callable | None = None,
-    before_step: Callable | None = None,
-    make_kwargs: dict | None = None,
-) -> list[list]:
-    """The same steps through ``PreconditionedOptimizer`` in a plain loop."""
-    opt = precondition_in_loop(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, name, **(make_kwargs or {})
-    )
-    grads = []
-    for x, t in data:
-        opt.zero_grad()
-        F.cross_entropy((model if call is None else call)(x), t).backward()
-        if before_step is not None:
-            before_step(model)
-        opt.step()
-        grads.append(
-            [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-        )
-    opt.close()
-    return [*grads, [p.detach().clone() for p in model.parameters()]]
-
-
-def assert_same(want, got, *, rtol: float = 0.0, atol: float = 0.0) -> None:
-    """Every tensor of two nested lists equal (bit for bit with tolerances 0)."""
+def max_rel_err(want: list, got: list) -> float:
+    """Largest entry-wise difference over the largest entry, tensor by tensor."""
+    err = 0.0
     for w_step, g_step in zip(want, got, strict=True):
         for a, b in zip(w_step, g_step, strict=True):
             if a is None or b is None:
                 assert a is None and b is None
-            elif rtol == 0 and atol == 0:
-                assert torch.equal(a, b), (a - b).abs().max()
-            else:
-                torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+                continue
+            scale = float(a.abs().max()) or 1.0
+            err = max(err, float((a - b).abs().max()) / scale)
+    return err
 
 
-def clone(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model)
+def assert_same(want: list, got: list, rel: float = 0.0) -> None:
+    """Bit for bit (``rel=0``) or within ``rel`` of each tensor's largest entry."""
+    if rel == 0.0:
+        for w_step, g_step in zip(want, got, strict=True):
+            for a, b in zip(w_step, g_step, strict=True):
+                assert (a is None and b is None) or torch.equal(a, b)
+    else:
+        assert max_rel_err(want, got) <= rel

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from leantrain import evaluation
+from leantrain.precond._denormal import autocast_off
 
 from ._mha import mha_forward
 from ._selection import build_ops, resolve_ignored
@@ -227,6 +228,7 @@ class CurvatureCollector:
         self._detached = False  # a call was recorded in a detached evaluation
 
     # -- hooks -------------------------------------------------------------------
+    @autocast_off()
     def _record(
         self, name: str, args: tuple, output: object, module: nn.Module | None = None
     ) -> None:
@@ -269,6 +271,7 @@ class CurvatureCollector:
             self._record(name, (), taps)
         return result  # replaces the module's output: the graph now runs through taps
 
+    @autocast_off()
     def _on_grad(self, name: str, call: tuple, slot: int, grad: torch.Tensor) -> None:
         if self._in_pass and not evaluation.is_auxiliary():
             call[1][slot] = self.ops[name].grad_feature(slot, grad)
@@ -279,6 +282,7 @@ class CurvatureCollector:
         for vector in vectors:
             self.backward_pass(output, vector)
 
+    @autocast_off()
     def backward_pass(self, output: torch.Tensor, vector: torch.Tensor) -> None:
         """Back-propagate ``vector`` from ``output`` and accumulate the statistics.
 
@@ -430,6 +434,7 @@ class CurvatureCollector:
             self._full += g.T @ g
 
     # -- results -----------------------------------------------------------------
+    @autocast_off()
     def statistics(self) -> dict[str, dict]:
         """Per-module accumulated tensors.
 
