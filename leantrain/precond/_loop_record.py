@@ -35,11 +35,11 @@ from torch import Tensor
 from leantrain.precond._denormal import autocast_off, curvature_arithmetic
 from leantrain.precond._gram import LowRankFactor
 from leantrain.precond.curv import as_loss_spec
-from leantrain.precond.curv.extension import refuse_reentrant_checkpoint
+from leantrain.precond.curv._recompute import refuse_reentrant_checkpoint
 from leantrain.precond.curv.kinds import reduction_factor
 from leantrain.precond.gradient_maker import unwrap_model
 
-__all__ = ["LoopRecorder", "finish_step"]
+__all__ = ["LoopRecorder", "amp_scale", "finish_step", "guard_module_hooks"]
 
 
 @dataclass
@@ -300,3 +300,48 @@ def finish_step(maker: Any, recorder: LoopRecorder | None, loss_scale: float) ->
             maker.preconditioner_updates += 1
         maker.precondition()
     maker.step += 1
+
+
+def guard_module_hooks() -> None:
+    """Make ``torch.compile``'d calls of the model see the recorder's hooks.
+
+    Dynamo does not guard compiled graphs on module hooks by default
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced without
+    the hooks would keep running without them (no statistics), and one traced with
+    them would keep calling them after they are removed. With the guards, attaching
+    or removing the hooks selects the graph traced for that state (two graphs).
+    Entries compiled before carry no such guard, so they are dropped once.
+    """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    if getattr(config, "skip_nnmodule_hook_guards", False):
+        config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+
+
+@torch.no_grad()
+def amp_scale(
+    optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, grad_scaler: Any
+) -> float:
+    """The loss scale of a ``GradScaler.step(optimizer)`` call; unscales ``.grad``
+    when the scaler has not (``grad_scale`` given).
+
+    Raises:
+        RuntimeError: the scaler unscaled ``.grad`` already and was not given to
+            the optimizer, so the recorded statistics cannot be unscaled.
+    """
+    if grad_scale is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(grad_scale.to(p.grad.dtype))
+        return float(grad_scale)
+    if grad_scaler is None:
+        raise RuntimeError(
+            "GradScaler.unscale_(optimizer) ran before GradScaler.step(optimizer) "
+            "(e.g. for gradient clipping): pass the scaler as "
+            "PreconditionedOptimizer(optimizer, maker, grad_scaler=scaler) so the "
+            "recorded curvature can be unscaled too"
+        )
+    return float(grad_scaler.get_scale())

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from leantrain.precond.curv.extension import refuse_reentrant_checkpoint
+from leantrain.precond.curv._recompute import refuse_reentrant_checkpoint
 from leantrain.precond.gradient_maker import GradientMaker, loss_scale, unwrap_model
 
 __all__ = [

@@ -27,7 +27,12 @@ from torch import nn
 
 from leantrain.precond._hooked import HookedMaker
 from leantrain.precond._kron import KronFactorMaker
-from leantrain.precond._loop_record import LoopRecorder, finish_step
+from leantrain.precond._loop_record import (
+    LoopRecorder,
+    amp_scale,
+    finish_step,
+    guard_module_hooks,
+)
 from leantrain.precond.preconditioned import PreconditionedGradientMaker
 from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
 from leantrain.precond.shampoo import ShampooGradientMaker
@@ -66,24 +71,6 @@ REFUSED_IN_LOOP: dict[str, str] = {
     "vmapping the model call itself; the diagonal empirical Fisher from hooks is "
     "NaturalGradientMaker(shape='diag', fisher_type='fisher_emp')",
 }
-
-
-def _guard_module_hooks() -> None:
-    """Make ``torch.compile``'d calls of the model see the recorder's hooks.
-
-    Dynamo does not guard compiled graphs on module hooks by default
-    (``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced without
-    the hooks would keep running without them (no statistics), and one traced with
-    them would keep calling them after they are removed. With the guards, attaching
-    or removing the hooks selects the graph traced for that state (two graphs).
-    Entries compiled before carry no such guard, so they are dropped once.
-    """
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    if getattr(config, "skip_nnmodule_hook_guards", False):
-        config.skip_nnmodule_hook_guards = False
-        torch._dynamo.reset()
 
 
 def _is_distributed() -> bool:
@@ -182,7 +169,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(maker, (KronFactorMaker, HookedMaker)):
             self._recorder: LoopRecorder | None = LoopRecorder(maker)
-            _guard_module_hooks()
+            guard_module_hooks()
         elif isinstance(maker, ShampooGradientMaker):
             self._recorder = None  # its statistics are the gradient itself
         else:
@@ -319,29 +306,12 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                     self.maker.generator.set_state(self._generator_state)
                 self._arm()
                 return loss
-            scale = self._amp_scale(getattr(self, "grad_scale", None))
+            grad_scale = getattr(self, "grad_scale", None)
+            scale = amp_scale(self, grad_scale, self._grad_scaler)
         self._precondition(scale)
         self._arm()
         self.optimizer.step()
         return loss
-
-    @torch.no_grad()
-    def _amp_scale(self, grad_scale: torch.Tensor | None) -> float:
-        """Unscale ``.grad`` (if the scaler has not) and return the loss scale."""
-        if grad_scale is not None:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.div_(grad_scale.to(p.grad.dtype))
-            return float(grad_scale)
-        if self._grad_scaler is None:
-            raise RuntimeError(
-                "GradScaler.unscale_(optimizer) ran before GradScaler.step(optimizer) "
-                "(e.g. for gradient clipping): pass the scaler as "
-                "PreconditionedOptimizer(optimizer, maker, grad_scaler=scaler) so "
-                "the recorded curvature can be unscaled too"
-            )
-        return float(self._grad_scaler.get_scale())
 
     # -- state -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

@@ -28,7 +28,7 @@ from leantrain.precond._checks import check_int
 from leantrain.precond._coverage import Coverage, coverage_of, warn_uncovered
 from leantrain.precond._denormal import curvature_arithmetic
 from leantrain.precond._schedule import PreconditioningConfig, is_due
-from leantrain.precond.curv.extension import refuse_reentrant_checkpoint
+from leantrain.precond.curv._recompute import refuse_reentrant_checkpoint
 from leantrain.precond.gradient_maker import (
     GradientMaker,
     unscaled,

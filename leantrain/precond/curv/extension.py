@@ -30,8 +30,7 @@ output-gradients are taken from the tensor hooks during a backward to the parame
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from functools import partial
 
 import torch
@@ -41,6 +40,7 @@ from leantrain import evaluation
 from leantrain.precond._denormal import autocast_off
 
 from ._mha import mha_forward
+from ._recompute import records_evaluation
 from ._selection import build_ops, resolve_ignored
 from ._tied import TiedOp
 
@@ -48,60 +48,11 @@ __all__ = [
     "SHAPES",
     "CurvatureCollector",
     "check_shape",
-    "records_evaluation",
-    "refuse_reentrant_checkpoint",
     "resolve_ignored",
 ]
 
 SHAPES = ("full", "layer", "kron", "unit", "diag")
 _FULL_CHUNK = 1 << 22
-
-
-def records_evaluation(module_name: str) -> bool:
-    """Whether a forward hook on ``module_name`` records the current evaluation.
-
-    Not under ``torch.no_grad()``, in an :func:`~leantrain.evaluation.auxiliary`
-    evaluation, or in activation checkpointing's non-reentrant re-run inside the
-    backward (the first evaluation was recorded and its graph carries the gradient).
-
-    Raises:
-        RuntimeError: in a reentrant checkpoint's re-run (``use_reentrant=True``):
-            the first evaluation ran without gradients and the re-run's graph lives
-            only inside the backward, where no curvature pass can reach it.
-    """
-    if not torch.is_grad_enabled() or evaluation.is_auxiliary():
-        return False
-    kind = evaluation.recomputation()
-    if kind == "reentrant":
-        raise RuntimeError(REENTRANT_CHECKPOINT.format(module_name))
-    return kind is None
-
-
-REENTRANT_CHECKPOINT = (
-    "module {!r} runs inside torch.utils.checkpoint.checkpoint(..., "
-    "use_reentrant=True): its forward is evaluated without gradients and re-run "
-    "inside the backward, where the curvature statistics cannot be taken; pass "
-    "use_reentrant=False (the statistics are then those of the model without "
-    "checkpointing)"
-)
-
-
-@contextlib.contextmanager
-def refuse_reentrant_checkpoint(who: str) -> Iterator[None]:
-    """Turn torch's refusal of ``torch.autograd.grad`` through a reentrant checkpoint
-    into one that says what to do (a curvature pass asks autograd for gradients)."""
-    try:
-        yield
-    except RuntimeError as err:
-        text = str(err)
-        if "use_reentrant=True" not in text or "checkpoint" not in text:
-            raise
-        raise RuntimeError(
-            f"{who} takes gradients with torch.autograd.grad, which "
-            "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) does not "
-            "support; pass use_reentrant=False (the statistics are then those of the "
-            "model without checkpointing)"
-        ) from err
 
 
 def check_shape(shape: str) -> str:
