@@ -410,3 +410,12 @@ def test_more_than_one_process_is_refused(monkeypatch):
     model = tiny_gpt()
     with pytest.raises(NotImplementedError, match="single process"):
         precondition_in_loop(torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac")
+
+
+def test_in_loop_argument_errors():
+    model = torch.nn.Linear(4, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="accumulation_steps=2 is for the maker"):
+        precondition_in_loop(sgd, model, "kfac", config={"accumulation_steps": 2})
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        precondition_in_loop(sgd, model, "kfac", grad_scaler="scaler")
