@@ -26,6 +26,7 @@ sums add, ``A`` is the example-weighted mean of the micro-batch ``A``.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -312,12 +313,12 @@ def guard_module_hooks() -> None:
     or removing the hooks selects the graph traced for that state (two graphs).
     Entries compiled before carry no such guard, so they are dropped once.
     """
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    if getattr(config, "skip_nnmodule_hook_guards", False):
-        config.skip_nnmodule_hook_guards = False
-        torch._dynamo.reset()
+    dynamo = sys.modules.get("torch._dynamo")  # imported by torch.compile
+    if dynamo is None:
+        return  # nothing compiled yet; checked again before every step
+    if getattr(dynamo.config, "skip_nnmodule_hook_guards", False):
+        dynamo.config.skip_nnmodule_hook_guards = False
+        dynamo.reset()
 
 
 @torch.no_grad()

@@ -169,7 +169,6 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(maker, (KronFactorMaker, HookedMaker)):
             self._recorder: LoopRecorder | None = LoopRecorder(maker)
-            guard_module_hooks()
         elif isinstance(maker, ShampooGradientMaker):
             self._recorder = None  # its statistics are the gradient itself
         else:
@@ -262,6 +261,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         """Record the model calls before the next step if it updates curvature."""
         if self._recorder is None:
             return
+        guard_module_hooks()
         if self.maker.config.curvature_due(self.maker.step):
             self._recorder.start()
             # Monte-Carlo draws of a step the scaler skips are taken back.

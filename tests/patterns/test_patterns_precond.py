@@ -65,6 +65,23 @@ def check_compile(form, method):
     assert_same(want, _quiet(train, form, method, model, data, call=call))
 
 
+@pytest.mark.parametrize("method", ["kfac", "kfac_10"])
+def test_compiled_loop_after_a_graph_without_hooks(method, monkeypatch):
+    # A process whose dynamo guards no module hooks (the default) and already
+    # compiled the model class without them: the loop still records every step.
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
+    torch._dynamo.reset()
+    data = batches(12)  # kfac_10: hooks attached at steps 0 and 10 only
+    first = net()
+    torch.compile(first, backend="aot_eager")(data[0][0]).sum().backward()
+    want = train("loop", method, net(), data)
+    model = net()
+    call = torch.compile(model, backend="aot_eager")
+    assert_same(want, _quiet(train, "loop", method, model, data, call=call))
+
+
 @pytest.mark.slow
 def test_compiled_loop_with_inductor_is_close():
     data = batches(3)
