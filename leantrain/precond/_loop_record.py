@@ -88,8 +88,12 @@ class LoopRecorder:
         # After the collector's hooks: the model's own hook fires once its
         # submodules' forwards (and their recordings) are done.
         self._root_handle = self.root.register_forward_hook(self._on_model_forward)
-        # fisher_emp: the gradient hooks record during the user's backward.
+        # fisher_emp: the gradient hooks record during the user's backward, and
+        # so do a reentrant checkpoint's re-runs there (its first forward had no
+        # gradients), for the last recorded call.
         self.collector._in_pass = self.empirical
+        if self.empirical:
+            self.collector.reentrant_calls = self._last_calls
 
     def stop(self) -> None:
         """Detach every hook and forget what was recorded."""
@@ -98,8 +102,17 @@ class LoopRecorder:
             self._root_handle = None
         self.collector.detach()
         self.collector._in_pass = False
+        self.collector.reentrant_calls = None
         self.collector.reset()
         self._forwards = []
+
+    def _last_calls(self) -> dict[str, list]:
+        if not self._forwards:
+            raise RuntimeError(
+                "a reentrant checkpoint re-ran a module inside a backward, but no "
+                "model call was recorded before it"
+            )
+        return self._forwards[-1].calls
 
     # -- recording -------------------------------------------------------------
     def _on_model_forward(self, module: Any, args: Any, output: Any) -> None:

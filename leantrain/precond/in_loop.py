@@ -106,8 +106,10 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     Activation checkpointing (``torch.utils.checkpoint.checkpoint`` with
     ``use_reentrant=False``, Hugging Face's default) is recorded once per call: the
     re-run inside the backward only rebuilds saved tensors
-    (:func:`leantrain.evaluation.recomputation`). A reentrant checkpoint raises
-    ``RuntimeError`` on the first curvature step.
+    (:func:`leantrain.evaluation.recomputation`). A reentrant checkpoint's re-run
+    is recorded for the call whose backward runs it with ``fisher_emp`` (the
+    Monte-Carlo and exact Fisher vectors need ``torch.autograd.grad``, which it
+    refuses: ``RuntimeError``).
 
     Args:
         optimizer: the optimizer that applies the preconditioned gradient.

@@ -264,21 +264,24 @@ def _checkpointed_loop(model, method: str, kwargs: dict) -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("case", ["kfac-emp", "kfac-mc"])
-def test_activation_checkpointing_equals_the_plain_model(case):
+@pytest.mark.parametrize(
+    ("case", "reentrant"),
+    [("kfac-emp", False), ("kfac-mc", False), ("kfac-emp", True)],
+)
+def test_activation_checkpointing_equals_the_plain_model(case, reentrant):
     method, _, kwargs = METHODS[case]
     model, ref = llama(), llama()
-    model.activation_checkpointing_enable()  # use_reentrant=False by default
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
     _checkpointed_loop(model, method, kwargs)
     _checkpointed_loop(ref, method, kwargs)
     assert_same_parameters(model, ref, tol=1e-12)
 
 
-def test_reentrant_activation_checkpointing_is_refused():
+def test_reentrant_checkpointing_with_monte_carlo_vectors_is_refused():
     model = llama()
     model.activation_checkpointing_enable({"use_reentrant": True})
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
-        _checkpointed_loop(model, "kfac", {"fisher_type": "fisher_emp"})
+        _checkpointed_loop(model, "kfac", {})
 
 
 def test_lightning_checkpoint_restores_the_curvature(tmp_path):

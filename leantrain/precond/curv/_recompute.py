@@ -3,9 +3,10 @@
 ``torch.utils.checkpoint.checkpoint`` re-runs a forward inside the backward to
 rebuild the tensors it did not keep (:func:`leantrain.evaluation.recomputation`).
 Without reentrancy the first evaluation's graph carries the gradient and the re-run
-is ignored; with it, the first evaluation ran without gradients and the re-run lives
-only inside the backward, where no curvature pass can reach it: refused, saying what
-to do.
+is ignored. With it, the first evaluation ran without gradients and the re-run lives
+only inside the backward: a recorder of the user's own backward claims it (the
+collector's ``reentrant_calls``), a curvature pass that asks ``torch.autograd.grad``
+cannot reach it and is refused, saying what to do.
 """
 
 from __future__ import annotations
@@ -63,5 +64,7 @@ def refuse_reentrant_checkpoint(who: str) -> Iterator[None]:
             f"{who} takes gradients with torch.autograd.grad, which "
             "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) does not "
             "support; pass use_reentrant=False (the statistics are then those of the "
-            "model without checkpointing)"
+            "model without checkpointing), or record in your own loop's backward "
+            "(PreconditionedOptimizer, or accumulation_steps > 1) with "
+            "fisher_type='fisher_emp'"
         ) from err

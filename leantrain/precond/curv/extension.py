@@ -129,6 +129,9 @@ class CurvatureCollector:
         ]
         self._handles: list = []
         self._in_pass = False
+        # Set by a recorder whose statistics come from the user's own backward:
+        # returns the call records a reentrant checkpoint's re-run belongs to.
+        self.reentrant_calls = None
         self.reset()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -183,7 +186,12 @@ class CurvatureCollector:
     def _record(
         self, name: str, args: tuple, output: object, module: nn.Module | None = None
     ) -> None:
-        if not records_evaluation(name):
+        calls = self._calls
+        if self.reentrant_calls is not None and _reentrant_rerun():
+            # A reentrant checkpoint's re-run, inside the backward of a recorded
+            # call (a user's loop): the call that owns that backward takes it.
+            calls = self.reentrant_calls()
+        elif not records_evaluation(name):
             return
         if evaluation.in_detached():
             # autograd.grad from the output cannot ask for these tensors: their
@@ -195,11 +203,12 @@ class CurvatureCollector:
         else:
             feats, tensors = op.record_module(module, args, output)
         call = (feats, [None] * len(tensors))
-        self._calls[name].append(call)
+        calls[name].append(call)
         for slot, tensor in enumerate(tensors):
             if tensor.requires_grad:
                 tensor.register_hook(partial(self._on_grad, name, call, slot))
-                self._outputs.append((name, call, slot, tensor, tensor._version))
+                if calls is self._calls:
+                    self._outputs.append((name, call, slot, tensor, tensor._version))
 
     def _on_forward(self, name, module, args, kwargs, output):
         if not args:  # input passed by keyword, e.g. linear(input=x)
@@ -413,6 +422,14 @@ class CurvatureCollector:
     def full(self) -> torch.Tensor | None:
         """The accumulated ``(P, P)`` matrix over ``self.params`` ("full" shape)."""
         return self._full
+
+
+def _reentrant_rerun() -> bool:
+    return (
+        torch.is_grad_enabled()
+        and not evaluation.is_auxiliary()
+        and evaluation.recomputation() == "reentrant"
+    )
 
 
 def broadcast_embedding(
