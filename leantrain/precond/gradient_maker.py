@@ -215,7 +215,8 @@ class GradientMaker:
     def _scaling(self, grad_scaler: Any) -> None:
         """Scale the losses of the following passes by ``grad_scaler`` (or not)."""
         self._loss_scale = loss_scale(grad_scaler)
-        self._grad_scaler = grad_scaler if self._loss_scale != 1.0 else None
+        enabled = grad_scaler is not None and grad_scaler.is_enabled()
+        self._grad_scaler = grad_scaler if enabled else None
 
     def _check_ready(self) -> None:
         if self._model_call is None:
