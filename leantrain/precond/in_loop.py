@@ -303,7 +303,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:  # GradScaler.step(self)
             if float(found_inf) > 0:  # the scaler skips this step: no trace of it
-                if self._recorder is not None:
+                if self._recorder is not None and self._recorder.recording:
                     self._recorder.stop()
                     self.maker.generator.set_state(self._generator_state)
                 self._arm()
