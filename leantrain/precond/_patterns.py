@@ -101,7 +101,8 @@ def check_trainable(maker: Any) -> None:
 
 
 def micro_batch(maker: Any, grad_scaler: Any) -> tuple[Any, Tensor]:
-    """One of ``config.accumulation_steps`` micro-batches of ``maker``'s step.
+    """One of ``config.accumulation_steps`` micro-batches of ``maker``'s step (a
+    whole step when it is 1: a maker whose pass a reentrant checkpoint refuses).
 
     Raises:
         ValueError: the maker cannot combine micro-batches (the message says why).
@@ -111,7 +112,7 @@ def micro_batch(maker: Any, grad_scaler: Any) -> tuple[Any, Tensor]:
 
     k = maker.config.accumulation_steps
     if not hasattr(maker, "_micro"):
-        why = maker._accumulation_refusal()
+        why = maker._accumulation_refusal() if k > 1 else None
         if why is not None:
             raise ValueError(
                 f"{type(maker).__name__} cannot accumulate micro-batches "
@@ -121,8 +122,9 @@ def micro_batch(maker: Any, grad_scaler: Any) -> tuple[Any, Tensor]:
             )
         if maker._process_group() is not None:
             raise NotImplementedError(
-                "accumulation_steps > 1 runs on a single process; under DDP give "
-                "each step its whole batch"
+                "accumulation_steps > 1 and reentrant checkpoints run on a single "
+                "process; under DDP give each step its whole batch and pass "
+                "use_reentrant=False"
             )
         maker._micro = 0
         maker._recorder = LoopRecorder(maker) if maker.records_in_loop else None

@@ -28,7 +28,10 @@ from leantrain.precond._checks import check_int
 from leantrain.precond._coverage import Coverage, coverage_of, warn_uncovered
 from leantrain.precond._denormal import curvature_arithmetic
 from leantrain.precond._schedule import PreconditioningConfig, is_due
-from leantrain.precond.curv._recompute import refuse_reentrant_checkpoint
+from leantrain.precond.curv._recompute import (
+    ReentrantCheckpointError,
+    refuse_reentrant_checkpoint,
+)
 from leantrain.precond.gradient_maker import (
     GradientMaker,
     unscaled,
@@ -268,8 +271,24 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         self._check_ready()
         scale = _patterns.checked_scale(self, grad_scaler)
         _patterns.check_trainable(self)
-        if self.config.accumulation_steps > 1:
+        if self.config.accumulation_steps > 1 or self._records_backward:
             return _patterns.micro_batch(self, grad_scaler)
+        try:
+            return self._step(scale, grad_scaler)
+        except ReentrantCheckpointError:
+            # The pass asked torch.autograd.grad through a reentrant checkpoint. The
+            # empirical Fisher can be recorded from a plain backward instead, as in
+            # a user's loop; .grad and the curvature are untouched so far.
+            if not (self.records_in_loop and self.fisher_type == "fisher_emp"):
+                raise
+            self._records_backward = True
+            return _patterns.micro_batch(self, grad_scaler)
+
+    # Steps run as one micro-batch recorded from a plain backward (set when a
+    # reentrant checkpoint refused the curvature pass).
+    _records_backward = False
+
+    def _step(self, scale: float, grad_scaler: Any) -> tuple[Any, Tensor]:
         self._check_total_steps()
         curvature_due = self.config.curvature_due(self.step)
         preconditioner_due = self.config.preconditioner_due(self.step)

@@ -18,7 +18,16 @@ import torch
 
 from leantrain import evaluation
 
-__all__ = ["REENTRANT_CHECKPOINT", "records_evaluation", "refuse_reentrant_checkpoint"]
+__all__ = [
+    "REENTRANT_CHECKPOINT",
+    "ReentrantCheckpointError",
+    "records_evaluation",
+    "refuse_reentrant_checkpoint",
+]
+
+
+class ReentrantCheckpointError(RuntimeError):
+    """``torch.autograd.grad`` met a reentrant checkpoint (``use_reentrant=True``)."""
 
 
 def records_evaluation(module_name: str) -> bool:
@@ -60,11 +69,11 @@ def refuse_reentrant_checkpoint(who: str) -> Iterator[None]:
         text = str(err)
         if "use_reentrant=True" not in text or "checkpoint" not in text:
             raise
-        raise RuntimeError(
+        raise ReentrantCheckpointError(
             f"{who} takes gradients with torch.autograd.grad, which "
             "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) does not "
             "support; pass use_reentrant=False (the statistics are then those of the "
-            "model without checkpointing), or record in your own loop's backward "
-            "(PreconditionedOptimizer, or accumulation_steps > 1) with "
-            "fisher_type='fisher_emp'"
+            "model without checkpointing); K-FAC, EKFAC, the natural gradients, "
+            "SENG and SMW-NG with fisher_type='fisher_emp' record from a plain "
+            "backward and work with it"
         ) from err
