@@ -37,6 +37,7 @@ from leantrain.precond._denormal import autocast_off, curvature_arithmetic
 from leantrain.precond._gram import LowRankFactor
 from leantrain.precond.curv import as_loss_spec
 from leantrain.precond.curv._recompute import refuse_reentrant_checkpoint
+from leantrain.precond.curv.extension import eager
 from leantrain.precond.curv.kinds import reduction_factor
 from leantrain.precond.gradient_maker import unwrap_model
 
@@ -87,7 +88,9 @@ class LoopRecorder:
         self.collector.attach()
         # After the collector's hooks: the model's own hook fires once its
         # submodules' forwards (and their recordings) are done.
-        self._root_handle = self.root.register_forward_hook(self._on_model_forward)
+        self._root_handle = self.root.register_forward_hook(
+            eager(self._on_model_forward)
+        )
         # fisher_emp: the gradient hooks record during the user's backward, and
         # so do a reentrant checkpoint's re-runs there (its first forward had no
         # gradients), for the last recorded call.

@@ -30,6 +30,7 @@ output-gradients are taken from the tensor hooks during a backward to the parame
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from functools import partial
 
@@ -141,14 +142,14 @@ class CurvatureCollector:
             return self
         modules = dict(self.model.named_modules())
         for name in self._mha:
-            hook = partial(self._on_mha_forward, name)
+            hook = eager(partial(self._on_mha_forward, name))
             self._handles.append(
                 modules[name].register_forward_hook(hook, with_kwargs=True)
             )
         for name, op in self.ops.items():
             if name in self._mha:
                 continue
-            hook = partial(self._on_forward, name)
+            hook = eager(partial(self._on_forward, name))
             for module in op.hooked_modules():
                 self._handles.append(
                     module.register_forward_hook(hook, with_kwargs=True)
@@ -422,6 +423,14 @@ class CurvatureCollector:
     def full(self) -> torch.Tensor | None:
         """The accumulated ``(P, P)`` matrix over ``self.params`` ("full" shape)."""
         return self._full
+
+
+def eager(hook):
+    """``hook``, run eagerly when a ``torch.compile``'d model calls it: dynamo then
+    breaks the graph around it instead of tracing the collector's Python (only once
+    dynamo is loaded, so a process that compiles nothing does not import it)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return hook if dynamo is None else dynamo.disable(hook)
 
 
 def _reentrant_rerun() -> bool:
