@@ -119,8 +119,8 @@ class LoopRecorder:
 
     # -- recording -------------------------------------------------------------
     def _on_model_forward(self, module: Any, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation: nothing to learn from, and no backward follows
+        if not torch.is_grad_enabled() or module is not self.root:
+            return  # evaluation (no backward follows), or a deep copy of the model
         coll, maker = self.collector, self.maker
         calls, outputs = coll._calls, coll._outputs
         # A fresh recording for the next call; the gradient hooks of this call keep

@@ -456,3 +456,29 @@ def test_step_skipped_by_the_scaler_between_curvature_steps_leaves_no_trace():
     got = run(data, scaler)
     want = run(data[:1] + data[2:], None)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_deep_copy_of_the_model_is_not_recorded():
+    # copy.deepcopy copies the hooks too; the copy's calls must not be recorded.
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    ).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    t = torch.arange(8) % 3
+
+    def run(with_copy):
+        model = copy.deepcopy(initial)
+        opt = precondition_in_loop(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac"
+        )
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), t).backward()
+            if with_copy:  # e.g. a teacher or EMA copy run with gradients
+                twin = copy.deepcopy(model)
+                torch.nn.functional.cross_entropy(twin(x * 2), t).backward()
+            opt.step()
+        return [p.detach() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))

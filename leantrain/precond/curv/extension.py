@@ -129,6 +129,7 @@ class CurvatureCollector:
             and (name in tracked or f"{name}.out_proj" in tracked)
         ]
         self._handles: list = []
+        self._hooked: set[int] = set()  # ids of this model's modules
         self._in_pass = False
         # Set by a recorder whose statistics come from the user's own backward:
         # returns the call records a reentrant checkpoint's re-run belongs to.
@@ -141,6 +142,7 @@ class CurvatureCollector:
         if self._handles:
             return self
         modules = dict(self.model.named_modules())
+        self._hooked = {id(m) for m in modules.values()}
         for name in self._mha:
             hook = eager(partial(self._on_mha_forward, name))
             self._handles.append(
@@ -214,8 +216,8 @@ class CurvatureCollector:
     def _on_forward(self, name, module, args, kwargs, output):
         if not args:  # input passed by keyword, e.g. linear(input=x)
             args = tuple(kwargs.values())
-        if not torch.is_grad_enabled():
-            return None
+        if not torch.is_grad_enabled() or id(module) not in self._hooked:
+            return None  # no gradient, or a deep copy of the model (its hooks too)
         expanded = broadcast_embedding(module, args, output, self._batch_seen)
         if expanded is not None:
             args, output = expanded
@@ -225,7 +227,7 @@ class CurvatureCollector:
         return output if expanded is not None else None
 
     def _on_mha_forward(self, name, module, args, kwargs, output):
-        if evaluation.is_auxiliary():
+        if evaluation.is_auxiliary() or id(module) not in self._hooked:
             return None  # the module's own output: nothing recorded
         result, taps = mha_forward(module, *args, **kwargs)
         if name in self.ops:
