@@ -13,6 +13,13 @@ that watches those layers through hooks (the curvature makers of
   such a graph answers ``None``; a gradient reaches it only while the solver's
   backward runs, which fires its tensor hooks, so a hook-based collector must take
   the output-gradients from its hooks (:func:`in_detached`, :func:`detached_count`).
+* :func:`recomputation`: activation checkpointing
+  (``torch.utils.checkpoint.checkpoint``) re-runs a forward inside the backward to
+  rebuild the tensors it did not save. Without reentrancy (``use_reentrant=False``)
+  the gradient flows through the graph of the first evaluation, so the re-run is
+  auxiliary: a forward hook that collects statistics ignores it. With reentrancy the
+  first evaluation ran without gradients and the re-run, inside the backward, is
+  the one that defines the gradient.
 * :func:`note_partial`: this process evaluated only part of the model's layers (a
   stack spread over processes); code whose statistics couple all layers (one Gram
   matrix over every layer's per-example gradients) must not treat its part as the
@@ -41,6 +48,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+
 __all__ = [
     "auxiliary",
     "detached",
@@ -49,6 +58,7 @@ __all__ = [
     "is_auxiliary",
     "note_partial",
     "partial_count",
+    "recomputation",
 ]
 
 _state = {"auxiliary": 0, "detached": 0, "detached_total": 0, "partial_total": 0}
@@ -88,6 +98,25 @@ def in_detached() -> bool:
 def detached_count() -> int:
     """How many :func:`detached` evaluations this process has entered so far."""
     return _state["detached_total"]
+
+
+def recomputation() -> str | None:
+    """Whether a module's forward runs as activation checkpointing's re-evaluation.
+
+    Call it from forward hooks (a tensor hook always runs inside a backward). A
+    forward with gradients enabled inside a backward is checkpointing's re-run:
+
+    Returns:
+        ``"reentrant"`` (``use_reentrant=True``: the re-run defines the gradient),
+        ``"non_reentrant"`` (the re-run only rebuilds saved tensors; the first
+        evaluation defines the gradient) or ``None`` (an ordinary forward).
+    """
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1:
+        return None
+    node = torch._C._current_autograd_node()
+    if type(node).__name__ == "CheckpointFunctionBackward":
+        return "reentrant"
+    return "non_reentrant"
 
 
 def note_partial() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
 
 from leantrain import evaluation
 
@@ -27,3 +29,20 @@ def test_partial_count_counts_notes():
     evaluation.note_partial()
     evaluation.note_partial()
     assert evaluation.partial_count() == before + 2
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputation_names_checkpointing_re_runs(reentrant):
+    seen = []
+    layer = torch.nn.Linear(3, 3)
+    layer.register_forward_hook(lambda *_: seen.append(evaluation.recomputation()))
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def block(z):
+        return torch.tanh(layer(z))  # tanh's saved output must be rebuilt
+
+    checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+    layer(x)  # an ordinary forward
+    kind = "reentrant" if reentrant else "non_reentrant"
+    # A reentrant checkpoint's first forward runs without gradients.
+    assert seen == [None, kind, None]

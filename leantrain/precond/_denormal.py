@@ -13,6 +13,11 @@ weights of order 1e-2, so flushing it to zero changes no update.
 for the calling thread (``torch.set_flush_denormal``) around the preconditioner's
 own arithmetic only (never the model's forward or backward) and puts the previous
 mode back, so the user's setting is left as found.
+
+:func:`curvature_arithmetic` adds what else the preconditioner's arithmetic must not
+inherit from the user's step: ``torch.autocast`` (a maker called inside an autocast
+region would otherwise factor and invert its curvature in bfloat16, or fail on
+mixed dtypes).
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["denormals_flushed", "flushing_denormals"]
+__all__ = [
+    "autocast_off",
+    "curvature_arithmetic",
+    "denormals_flushed",
+    "flushing_denormals",
+]
 
 # A float32 subnormal (2^-148) and one: their product is zero only on a thread that
 # flushes. NumPy's scalar multiply runs on the same thread's SSE control register as
@@ -55,3 +65,21 @@ def denormals_flushed() -> Iterator[None]:
         yield
     finally:
         torch.set_flush_denormal(False)
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Run the block without ``torch.autocast`` (CPU and CUDA): the curvature
+    statistics are taken in the dtypes of their tensors (float32 or wider)."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def curvature_arithmetic() -> Iterator[None]:
+    """The preconditioner's own arithmetic: subnormals flushed, autocast off."""
+    with autocast_off(), denormals_flushed():
+        yield

@@ -68,6 +68,8 @@ class LinearCapture:
     def _on_forward(self, name: str, module: nn.Module, args: tuple, output) -> None:
         if not torch.is_grad_enabled() or evaluation.is_auxiliary():
             return
+        if evaluation.recomputation() is not None:  # checkpointing's re-run
+            return
         if evaluation.in_detached():
             # A graph of its own (a layer-parallel solver's): autograd.grad from the
             # loss cannot stop at this output, so its gradient is formed as usual.

@@ -100,6 +100,13 @@ class HookedMaker(FisherMaker):
     # True for makers whose curvature couples every module (one Gram matrix or one
     # full Fisher over all of them): a process holding part of the layers cannot.
     couples_modules = False
+    scales_loss = True
+    records_in_loop = True
+
+    def _accumulation_refusal(self) -> str | None:
+        if self._collector.keep_sites:
+            return "it keeps the per-example gradients of one batch"
+        return None
 
     def flat_index(self) -> Tensor:
         """Positions of the selected modules' parameters in the collector's flat
@@ -132,7 +139,8 @@ class HookedMaker(FisherMaker):
                 allow_unused=True,
             )
             self._add_grads(params, list(grads[: len(params)]))
-            collector.accumulate(logits, self._vectors(logits, grads[-1]))
+            emp_vector = grads[-1] / self._loss_scale if emp else None
+            collector.accumulate(logits, self._vectors(logits, emp_vector))
         if collector.accumulate_stats:
             self._stats = collector.statistics()
             full = collector.full

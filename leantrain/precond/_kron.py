@@ -196,6 +196,11 @@ class KronFactorMaker(FisherMaker):
         )
 
     factored_gradients = False
+    scales_loss = True
+    records_in_loop = True
+
+    def _accumulation_refusal(self) -> str | None:
+        return None
 
     # -- the passes -------------------------------------------------------------
     def _unwritten_gradients(self) -> list[Tensor]:
@@ -207,6 +212,7 @@ class KronFactorMaker(FisherMaker):
         averages ``.grad``; ``E`` and ``X`` are per rank)."""
         return (
             bool(self._capture.modules)
+            and self._loss_scale == 1.0  # the captured E would carry the scale
             and self._process_group() is None
             and not isinstance(self.model, nn.parallel.DistributedDataParallel)
         )
@@ -268,9 +274,8 @@ class KronFactorMaker(FisherMaker):
             logits = self._logits(output)
             emp = self.fisher_type == "fisher_emp"
             dlogits = self._loss_grads(loss, [logits] if emp else [], retain_graph=True)
-            self._collector.accumulate(
-                logits, self._vectors(logits, dlogits[0] if emp else None)
-            )
+            emp_vector = dlogits[0] / self._loss_scale if emp else None
+            self._collector.accumulate(logits, self._vectors(logits, emp_vector))
         self._stats = self._collector.statistics()
         self._collector.reset()
         self._sync_stats()

@@ -26,18 +26,22 @@ sums add, ``A`` is the example-weighted mean of the micro-batch ``A``.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from leantrain.precond._denormal import autocast_off, curvature_arithmetic
 from leantrain.precond._gram import LowRankFactor
 from leantrain.precond.curv import as_loss_spec
+from leantrain.precond.curv._recompute import refuse_reentrant_checkpoint
+from leantrain.precond.curv.extension import eager
 from leantrain.precond.curv.kinds import reduction_factor
 from leantrain.precond.gradient_maker import unwrap_model
 
-__all__ = ["LoopRecorder"]
+__all__ = ["LoopRecorder", "amp_scale", "finish_step", "guard_module_hooks"]
 
 
 @dataclass
@@ -84,9 +88,15 @@ class LoopRecorder:
         self.collector.attach()
         # After the collector's hooks: the model's own hook fires once its
         # submodules' forwards (and their recordings) are done.
-        self._root_handle = self.root.register_forward_hook(self._on_model_forward)
-        # fisher_emp: the gradient hooks record during the user's backward.
+        self._root_handle = self.root.register_forward_hook(
+            eager(self._on_model_forward)
+        )
+        # fisher_emp: the gradient hooks record during the user's backward, and
+        # so do a reentrant checkpoint's re-runs there (its first forward had no
+        # gradients), for the last recorded call.
         self.collector._in_pass = self.empirical
+        if self.empirical:
+            self.collector.reentrant_calls = self._last_calls
 
     def stop(self) -> None:
         """Detach every hook and forget what was recorded."""
@@ -95,13 +105,22 @@ class LoopRecorder:
             self._root_handle = None
         self.collector.detach()
         self.collector._in_pass = False
+        self.collector.reentrant_calls = None
         self.collector.reset()
         self._forwards = []
 
+    def _last_calls(self) -> dict[str, list]:
+        if not self._forwards:
+            raise RuntimeError(
+                "a reentrant checkpoint re-ran a module inside a backward, but no "
+                "model call was recorded before it"
+            )
+        return self._forwards[-1].calls
+
     # -- recording -------------------------------------------------------------
     def _on_model_forward(self, module: Any, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation: nothing to learn from, and no backward follows
+        if not torch.is_grad_enabled() or module is not self.root:
+            return  # evaluation (no backward follows), or a deep copy of the model
         coll, maker = self.collector, self.maker
         calls, outputs = coll._calls, coll._outputs
         # A fresh recording for the next call; the gradient hooks of this call keep
@@ -120,8 +139,11 @@ class LoopRecorder:
             calls, int(out.shape[0]), 1.0 / reduction_factor(spec, out, targets)
         )
         if not self.empirical:
-            for vector in maker._vectors(logits, None):
-                forward.passes.append(self._vector_pass(calls, outputs, logits, vector))
+            with refuse_reentrant_checkpoint(type(maker).__name__):
+                for vector in maker._vectors(logits, None):
+                    forward.passes.append(
+                        self._vector_pass(calls, outputs, logits, vector)
+                    )
         self._forwards.append(forward)
 
     def _vector_pass(
@@ -160,12 +182,15 @@ class LoopRecorder:
         return {name: op.combine(calls[name]) for name, op in coll.ops.items()}
 
     # -- the step --------------------------------------------------------------
-    def collect(self) -> None:
+    @autocast_off()
+    def collect(self, loss_scale: float = 1.0) -> None:
         """Fold the recorded micro-batches into the maker's pass results.
 
         Sets what the maker's own curvature pass sets (``_stats``, and for the
         hook-based natural-gradient family ``_full`` / ``_sites``), then forgets the
-        recording; the hooks stay attached.
+        recording; the hooks stay attached. ``loss_scale``: the factor the losses
+        were multiplied by before the backward (a GradScaler's), divided out of the
+        recorded output-gradients.
 
         Raises:
             RuntimeError: no model call was recorded, or a maker that keeps
@@ -200,7 +225,7 @@ class LoopRecorder:
             if self.empirical:
                 # The user's output-gradients are r_union * grad(l_n); the
                 # maker's vector is the loss gradient / sqrt(r_union).
-                scale = math.sqrt(union_inv_r)
+                scale = math.sqrt(union_inv_r) / loss_scale
                 passes = [{n: op.combine(f.calls[n]) for n, op in coll.ops.items()}]
             else:  # vectors of this micro-batch carry sqrt(r_j); the union sqrt(r)
                 scale = math.sqrt(f.inv_r / union_inv_r)
@@ -258,3 +283,82 @@ class LoopRecorder:
                 sum(p[i] * (f.batch / total) for p, f in zip(parts, live, strict=True))
                 for i in range(len(parts[0]))
             ]
+
+
+@torch.no_grad()
+def finish_step(maker: Any, recorder: LoopRecorder | None, loss_scale: float) -> None:
+    """What a maker's ``forward_and_backward`` runs after its curvature pass, for a
+    step whose forward and backward ran elsewhere (the user's loop, or the maker's
+    micro-batches): fold in the recorded micro-batches (``recorder``; ``None``:
+    statistics from ``.grad``), run the due updates on finite gradients, then
+    ``precondition()``; ``maker.step`` advances."""
+    from leantrain.precond._patterns import check_trainable
+    from leantrain.precond.preconditioned import all_finite
+
+    check_trainable(maker)
+    maker._check_total_steps()
+    curvature_due = maker.config.curvature_due(maker.step)
+    preconditioner_due = maker.config.preconditioner_due(maker.step)
+    if curvature_due:
+        if recorder is not None:
+            recorder.collect(loss_scale)
+        grads = [p.grad for p in maker.model.parameters() if p.grad is not None]
+        if not all_finite(grads):
+            # As the maker: discard this step's curvature, keep the gradient.
+            curvature_due = preconditioner_due = False
+            maker._skip_curvature("gradient")
+        else:
+            with curvature_arithmetic():
+                maker.update_curvature()
+            maker.curvature_updates += 1
+    with curvature_arithmetic():
+        if preconditioner_due:
+            maker.update_preconditioner()
+            maker.preconditioner_updates += 1
+        maker.precondition()
+    maker.step += 1
+
+
+def guard_module_hooks() -> None:
+    """Make ``torch.compile``'d calls of the model see the recorder's hooks.
+
+    Dynamo does not guard compiled graphs on module hooks by default
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced without
+    the hooks would keep running without them (no statistics), and one traced with
+    them would keep calling them after they are removed. With the guards, attaching
+    or removing the hooks selects the graph traced for that state (two graphs).
+    Entries compiled before carry no such guard, so they are dropped once.
+    """
+    dynamo = sys.modules.get("torch._dynamo")  # imported by torch.compile
+    if dynamo is None:
+        return  # nothing compiled yet; checked again before every step
+    if getattr(dynamo.config, "skip_nnmodule_hook_guards", False):
+        dynamo.config.skip_nnmodule_hook_guards = False
+        dynamo.reset()
+
+
+@torch.no_grad()
+def amp_scale(
+    optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, grad_scaler: Any
+) -> float:
+    """The loss scale of a ``GradScaler.step(optimizer)`` call; unscales ``.grad``
+    when the scaler has not (``grad_scale`` given).
+
+    Raises:
+        RuntimeError: the scaler unscaled ``.grad`` already and was not given to
+            the optimizer, so the recorded statistics cannot be unscaled.
+    """
+    if grad_scale is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(grad_scale.to(p.grad.dtype))
+        return float(grad_scale)
+    if grad_scaler is None:
+        raise RuntimeError(
+            "GradScaler.unscale_(optimizer) ran before GradScaler.step(optimizer) "
+            "(e.g. for gradient clipping): pass the scaler as "
+            "PreconditionedOptimizer(optimizer, maker, grad_scaler=scaler) so the "
+            "recorded curvature can be unscaled too"
+        )
+    return float(grad_scaler.get_scale())

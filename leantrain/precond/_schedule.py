@@ -63,12 +63,16 @@ class PreconditioningConfig:
     ignore_modules: tuple = ()
     # If set, forward_and_backward raises once this many steps have run.
     num_total_steps: int | None = None
+    # forward_and_backward calls (micro-batches) per step; their losses must sum to
+    # the mean loss over their union. The k-th call updates and preconditions.
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         check_int("curvature_interval", self.curvature_interval, minimum=1)
         check_int("preconditioner_interval", self.preconditioner_interval, minimum=1)
         check_int("warmup_steps", self.warmup_steps, minimum=0)
         check_positive_float("damping", self.damping)
+        check_int("accumulation_steps", self.accumulation_steps, minimum=1)
         if self.ema_decay is not None:
             check_open_unit("ema_decay", self.ema_decay)
         # Frozen: validated once, so normalise through object.__setattr__.

@@ -143,6 +143,9 @@ class EkfacGradientMaker(KronFactorMaker):
         )
         self._collector.on_pass = self._passes.append
 
+    def _discard_pass(self) -> None:
+        self._passes.clear()  # a non-finite pass must not reach the next scaling
+
     def update_curvature(self) -> None:
         """Update the factors; refresh the basis when due; re-estimate the scaling."""
         passes, self._passes[:] = list(self._passes), []

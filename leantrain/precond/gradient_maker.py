@@ -180,11 +180,18 @@ class GradientMaker:
         return self._origin
 
     # -- running -----------------------------------------------------------------
-    def forward_and_backward(self) -> tuple[Any, Tensor]:
+    def forward_and_backward(
+        self, *, grad_scaler: torch.amp.GradScaler | None = None
+    ) -> tuple[Any, Tensor]:
         """Run the model call and the loss, then ``loss.backward()``.
 
+        Args:
+            grad_scaler: back-propagate ``grad_scaler.scale(loss)`` (mixed precision
+                loss scaling); ``.grad`` then holds the scaled gradient, for
+                ``grad_scaler.step(optimizer)`` to unscale.
+
         Returns:
-            ``(output, loss)``: the real model output and the loss tensor.
+            ``(output, loss)``: the real model output and the (unscaled) loss.
 
         Raises:
             RuntimeError: if the model call or the loss has not been set up, or the
@@ -193,7 +200,23 @@ class GradientMaker:
             ValueError: if the loss is not a scalar.
         """
         self._check_ready()
-        return self._forward_backward()
+        self._scaling(grad_scaler)
+        try:
+            output, loss = self._forward_backward()
+        finally:
+            self._scaling(None)
+        return output, unscaled(loss, grad_scaler)
+
+    # The GradScaler of the running forward_and_backward(grad_scaler=...) and its
+    # scale: the loss is back-propagated as grad_scaler.scale(loss).
+    _grad_scaler: Any = None
+    _loss_scale: float = 1.0
+
+    def _scaling(self, grad_scaler: Any) -> None:
+        """Scale the losses of the following passes by ``grad_scaler`` (or not)."""
+        self._loss_scale = loss_scale(grad_scaler)
+        enabled = grad_scaler is not None and grad_scaler.is_enabled()
+        self._grad_scaler = grad_scaler if enabled else None
 
     def _check_ready(self) -> None:
         if self._model_call is None:
@@ -237,8 +260,8 @@ class GradientMaker:
         assert self._loss_call is not None  # internal: _check_ready ran
         fn, args, kwargs = self._loss_call
         args, kwargs = _si.replay((args, kwargs), output, leaf=leaf)
-        loss = args[0] if fn is None else fn(*args, **kwargs)
-        return check_loss(loss)
+        loss = check_loss(args[0] if fn is None else fn(*args, **kwargs))
+        return loss if self._grad_scaler is None else self._grad_scaler.scale(loss)
 
     @property
     def loss_call_arguments(self) -> tuple[tuple, dict]:
@@ -253,6 +276,27 @@ class GradientMaker:
         self._check_ready()
         assert self._model_call is not None
         return self._model_call
+
+
+def loss_scale(grad_scaler: Any) -> float:
+    """The current scale of ``grad_scaler`` (1.0 for ``None`` or a disabled one).
+
+    Raises:
+        TypeError: ``grad_scaler`` is not a ``torch.amp.GradScaler``.
+    """
+    if grad_scaler is None:
+        return 1.0
+    if not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}"
+        )
+    return float(grad_scaler.get_scale()) if grad_scaler.is_enabled() else 1.0
+
+
+def unscaled(loss: Tensor, grad_scaler: Any) -> Tensor:
+    """The loss a scaled pass returns, divided by the scale again."""
+    scale = loss_scale(grad_scaler)
+    return loss if scale == 1.0 else loss.detach() / scale
 
 
 def check_loss(loss: Any) -> Tensor:

@@ -17,7 +17,6 @@ themselves (second-order backward, a replay at other parameters, per-example
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -26,12 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leantrain.precond._denormal import denormals_flushed
 from leantrain.precond._hooked import HookedMaker
 from leantrain.precond._kron import KronFactorMaker
-from leantrain.precond._loop_record import LoopRecorder
-from leantrain.precond.gradient_maker import unwrap_model
-from leantrain.precond.preconditioned import PreconditionedGradientMaker, all_finite
+from leantrain.precond._loop_record import (
+    LoopRecorder,
+    amp_scale,
+    finish_step,
+    guard_module_hooks,
+)
+from leantrain.precond.preconditioned import PreconditionedGradientMaker
 from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
 from leantrain.precond.shampoo import ShampooGradientMaker
 
@@ -92,22 +94,39 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     one micro-batch. With gradient accumulation the losses of the micro-batches must
     sum to the mean loss over their union (what HF ``Trainer`` and Lightning's
     ``accumulate_grad_batches`` do); the statistics are then those of the union
-    batch. Whatever the trainer does to ``.grad`` before ``step()`` (clipping,
-    unscaling) happens before the preconditioning; fp16 loss scaling would also
-    scale the recorded output-gradients and is not compensated.
+    batch. Whatever the trainer does to ``.grad`` before ``step()`` (clipping)
+    happens before the preconditioning. Under ``GradScaler.step(optimizer)`` the
+    curvature is taken from unscaled quantities and skipped steps record nothing.
+
+    A ``torch.compile``'d model works: building the optimizer turns on dynamo's
+    guards on module hooks, process-wide (``skip_nnmodule_hook_guards = False``,
+    dropping graphs compiled before once), so a compiled call runs the hooks
+    exactly when they are attached.
+
+    Activation checkpointing (``torch.utils.checkpoint.checkpoint`` with
+    ``use_reentrant=False``, Hugging Face's default) is recorded once per call: the
+    re-run inside the backward only rebuilds saved tensors
+    (:func:`leantrain.evaluation.recomputation`). A reentrant checkpoint's re-run
+    is recorded for the call whose backward runs it with ``fisher_emp`` (the
+    Monte-Carlo and exact Fisher vectors need ``torch.autograd.grad``, which it
+    refuses: ``RuntimeError``).
 
     Args:
         optimizer: the optimizer that applies the preconditioned gradient.
         maker: a preconditioned gradient maker on the module whose call returns the
             logits (see :data:`IN_LOOP_METHODS`); its ``setup_*`` calls are not
             used.
+        grad_scaler: the ``torch.amp.GradScaler`` of the loop, needed only when
+            the loop calls ``grad_scaler.unscale_(optimizer)`` before
+            ``grad_scaler.step(optimizer)`` (gradient clipping); without that call
+            the scale comes with ``grad_scaler.step``.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or ``maker`` is
             not a preconditioned gradient maker.
         ValueError: the maker's method cannot run inside a loop (the message says
             why), or a parameter the maker preconditions is not in the optimizer.
-        NotImplementedError: more than one process, or gradient checkpointing.
+        NotImplementedError: more than one process.
 
     Example:
         >>> import torch
@@ -126,7 +145,11 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, maker: PreconditionedGradientMaker
+        self,
+        optimizer: torch.optim.Optimizer,
+        maker: PreconditionedGradientMaker,
+        *,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -156,21 +179,23 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 "makers: KfacGradientMaker, EkfacGradientMaker, ShampooGradientMaker, "
                 "NaturalGradientMaker, SmwNgGradientMaker, SengGradientMaker."
             )
+        if grad_scaler is not None and not isinstance(
+            grad_scaler, torch.amp.GradScaler
+        ):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler, got {grad_scaler!r}"
+            )
+        if maker.config.accumulation_steps != 1:
+            raise ValueError(
+                f"accumulation_steps={maker.config.accumulation_steps} is for the "
+                "maker's forward_and_backward; in a loop every model call between "
+                "two optimizer steps is a micro-batch (leave it at 1)"
+            )
         if _is_distributed():
             raise NotImplementedError(
                 "PreconditionedOptimizer runs on a single process: under "
                 "DistributedDataParallel the recorded statistics would be one rank's "
                 "(use the gradient maker's forward_and_backward, which averages them)."
-            )
-        root = unwrap_model(maker.model)
-        checkpointing = getattr(root, "is_activation_checkpointing", None)
-        if checkpointing is None:  # transformers before 5
-            checkpointing = getattr(root, "is_gradient_checkpointing", False)
-        if checkpointing:
-            raise NotImplementedError(
-                "gradient checkpointing re-runs the forward inside the backward, "
-                "which the hooks would record twice; disable it "
-                "(model.activation_checkpointing_disable() in transformers)."
             )
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for module_name, module in maker.modules():
@@ -182,6 +207,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                     )
         self.optimizer = optimizer
         self.maker = maker
+        self._grad_scaler = grad_scaler
         # What torch.optim.Optimizer.__init__ sets besides the parameter groups,
         # which stay the wrapped optimizer's (see the properties below).
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -237,60 +263,54 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         """Record the model calls before the next step if it updates curvature."""
         if self._recorder is None:
             return
+        guard_module_hooks()
         if self.maker.config.curvature_due(self.maker.step):
             self._recorder.start()
+            # Monte-Carlo draws of a step the scaler skips are taken back.
+            self._generator_state = self.maker.generator.get_state()
         else:
             self._recorder.stop()
 
-    @torch.no_grad()
-    def _precondition(self) -> None:
+    def _precondition(self, loss_scale: float = 1.0) -> None:
         """What the maker's ``forward_and_backward`` runs after its pass."""
-        m = self.maker
-        m._check_total_steps()
-        curvature_due = m.config.curvature_due(m.step)
-        preconditioner_due = m.config.preconditioner_due(m.step)
-        if curvature_due:
-            if self._recorder is not None:
-                self._recorder.collect()
-            grads = [p.grad for p in m.model.parameters() if p.grad is not None]
-            if not all_finite(grads):
-                # As the maker: discard this step's curvature, keep the gradient.
-                curvature_due = preconditioner_due = False
-                m.skipped_curvature_updates += 1
-                if m.skipped_curvature_updates == 1:
-                    warnings.warn(
-                        f"{type(m).__name__}: non-finite gradient at step {m.step}; "
-                        "its curvature is discarded (counted in "
-                        "skipped_curvature_updates, warned once).",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-            else:
-                with denormals_flushed():
-                    m.update_curvature()
-                m.curvature_updates += 1
-        with denormals_flushed():
-            if preconditioner_due:
-                m.update_preconditioner()
-                m.preconditioner_updates += 1
-            m.precondition()
-        m.step += 1
+        finish_step(self.maker, self._recorder, loss_scale)
+
+    # GradScaler.step(self) calls step() itself, with the scale and the inf check
+    # as attributes (grad_scale, found_inf), instead of unscaling .grad first.
+    _step_supports_amp_scaling = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (if given), precondition ``.grad``, step the optimizer.
+
+        Called by ``GradScaler.step(optimizer)``: a step whose gradient is not
+        finite is skipped with its recorded statistics (the maker's step does not
+        advance); otherwise ``.grad`` is unscaled and the recorded output-gradients
+        divided by the scale before the preconditioning.
 
         Returns:
             The closure's return value (``None`` without a closure).
 
         Raises:
-            RuntimeError: a curvature step without a recorded model call, or
-                ``config.num_total_steps`` steps have run.
+            RuntimeError: a curvature step without a recorded model call,
+                ``config.num_total_steps`` steps have run, or ``GradScaler.step``
+                after ``GradScaler.unscale_`` without ``grad_scaler`` given here.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._precondition()
+        scale = 1.0
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:  # GradScaler.step(self)
+            if float(found_inf) > 0:  # the scaler skips this step: no trace of it
+                if self._recorder is not None and self._recorder.recording:
+                    self._recorder.stop()
+                    self.maker.generator.set_state(self._generator_state)
+                self._arm()
+                return loss
+            grad_scale = getattr(self, "grad_scale", None)
+            scale = amp_scale(self, grad_scale, self._grad_scaler)
+        self._precondition(scale)
         self._arm()
         self.optimizer.step()
         return loss
@@ -335,6 +355,7 @@ def precondition_in_loop(
     method: str = "kfac",
     *,
     config: dict[str, Any] | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
     **maker_kwargs: Any,
 ) -> PreconditionedOptimizer:
     """Wrap ``optimizer`` to precondition with registered ``method`` inside a loop.
@@ -347,6 +368,7 @@ def precondition_in_loop(
         model: the module whose call returns the logits.
         method: a key of :data:`IN_LOOP_METHODS`.
         config: ``PreconditioningConfig`` fields overriding the method's.
+        grad_scaler: as for :class:`PreconditionedOptimizer`.
         **maker_kwargs: maker options overriding the method's (e.g.
             ``fisher_type="fisher_emp"``).
 
@@ -383,4 +405,4 @@ def precondition_in_loop(
         else:
             raise TypeError(f"config must be a dict of fields, got {config!r}")
     maker = make_gradient_maker(method, model, config=config, **maker_kwargs)
-    return PreconditionedOptimizer(optimizer, maker)
+    return PreconditionedOptimizer(optimizer, maker, grad_scaler=grad_scaler)

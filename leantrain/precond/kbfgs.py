@@ -42,8 +42,10 @@ from torch import Tensor, nn
 from leantrain import evaluation
 from leantrain.precond._checks import check_extra_state
 from leantrain.precond._coverage import check_one_site
+from leantrain.precond._denormal import autocast_off
 from leantrain.precond._fisher import add_grads
 from leantrain.precond._kron import damped_inverse, read_canonical, write_canonical
+from leantrain.precond.curv._recompute import records_evaluation
 from leantrain.precond.curv.modules import is_conv1d, make_op
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
@@ -114,6 +116,8 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         (torch.Size([8, 8]), 1)
     """
 
+    skips_frozen = False  # its state is fitted to the parameters it was built with
+
     def __init__(
         self,
         model: nn.Module,
@@ -168,9 +172,10 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
             for handle in handles:
                 handle.remove()
 
+    @autocast_off()
     def _on_forward(self, name, records, module, args, output) -> None:
-        if not torch.is_grad_enabled() or evaluation.is_auxiliary():
-            return  # e.g. a layer-parallel solver's sweeps: not the gradient's
+        if not records_evaluation(name):
+            return  # a layer-parallel solver's sweeps, checkpointing's re-run
         op = self.ops[name]
         feats, tensors = op.record(args, output)
         a = feats["a"][0]  # (N, T, J)
@@ -181,6 +186,7 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         rec = {"A": flat.T @ flat / n, "a_mean": flat.mean(0)}
         records[name] = rec
 
+        @autocast_off()
         def on_grad(grad: Tensor) -> None:
             if evaluation.is_auxiliary():
                 return

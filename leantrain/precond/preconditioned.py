@@ -23,11 +23,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from leantrain.precond import _patterns
 from leantrain.precond._checks import check_int
 from leantrain.precond._coverage import Coverage, coverage_of, warn_uncovered
-from leantrain.precond._denormal import denormals_flushed
+from leantrain.precond._denormal import curvature_arithmetic
 from leantrain.precond._schedule import PreconditioningConfig, is_due
-from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
+from leantrain.precond.curv._recompute import (
+    ReentrantCheckpointError,
+    refuse_reentrant_checkpoint,
+)
+from leantrain.precond.gradient_maker import (
+    GradientMaker,
+    unscaled,
+    unwrap_model,
+)
 
 __all__ = ["PreconditionedGradientMaker", "PreconditioningConfig", "is_due"]
 
@@ -142,6 +151,7 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         for name, module in self.modules():
             _check_preconditionable(name or "<root>", module)
         warn_uncovered(type(self).__name__, self.coverage())
+        self._frozen_at_build = _patterns.frozen_parameters(self.model)
 
     def coverage(self) -> Coverage:
         """What this maker preconditions: every module owning trainable parameters
@@ -233,52 +243,121 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
                 "config (or set it to None) to keep training."
             )
 
-    def forward_and_backward(self) -> tuple[Any, Tensor]:
+    def forward_and_backward(
+        self, *, grad_scaler: torch.amp.GradScaler | None = None
+    ) -> tuple[Any, Tensor]:
         """One step: forward/backward, due updates, then :meth:`precondition`.
 
+        With ``config.accumulation_steps = k > 1`` a call is one micro-batch: the
+        first ``k - 1`` calls only add to ``.grad`` (and record the curvature's
+        statistics), the ``k``-th updates and preconditions the sum.
+
+        Args:
+            grad_scaler: back-propagate ``grad_scaler.scale(loss)``. The curvature
+                is taken from the unscaled gradients, ``.grad`` is left holding the
+                scaled preconditioned gradient for ``grad_scaler.step(optimizer)``,
+                and a non-finite pass (the step the scaler skips) changes no
+                curvature.
+
         Returns:
-            ``(output, loss)``, as :meth:`GradientMaker.forward_and_backward`.
+            ``(output, loss)``, as :meth:`GradientMaker.forward_and_backward` (the
+            loss unscaled).
 
         Raises:
             RuntimeError: before setup, or once ``config.num_total_steps`` steps ran.
+            ValueError: ``grad_scaler`` or ``accumulation_steps > 1`` with a method
+                that cannot take them (the message says why).
         """
         self._check_ready()
+        scale = _patterns.checked_scale(self, grad_scaler)
+        _patterns.check_trainable(self)
+        if self.config.accumulation_steps > 1 or self._records_backward:
+            return _patterns.micro_batch(self, grad_scaler)
+        try:
+            return self._step(scale, grad_scaler)
+        except ReentrantCheckpointError:
+            # The pass asked torch.autograd.grad through a reentrant checkpoint. The
+            # empirical Fisher can be recorded from a plain backward instead, as in
+            # a user's loop; .grad and the curvature are untouched so far.
+            if not (self.records_in_loop and self.fisher_type == "fisher_emp"):
+                raise
+            self._records_backward = True
+            return _patterns.micro_batch(self, grad_scaler)
+
+    # Steps run as one micro-batch recorded from a plain backward (set when a
+    # reentrant checkpoint refused the curvature pass).
+    _records_backward = False
+
+    def _step(self, scale: float, grad_scaler: Any) -> tuple[Any, Tensor]:
         self._check_total_steps()
         curvature_due = self.config.curvature_due(self.step)
         preconditioner_due = self.config.preconditioner_due(self.step)
+        self._scaling(grad_scaler)
+        try:
+            with refuse_reentrant_checkpoint(type(self).__name__):
+                if curvature_due:
+                    self._check_no_backward_averager()
+                    output, loss = self._curvature_pass()
+                else:
+                    output, loss = self._forward_backward()
+        finally:
+            self._scaling(None)
+        _patterns.scale_gradients(self.model, 1.0 / scale)
         if curvature_due:
-            self._check_no_backward_averager()
-            output, loss = self._curvature_pass()
             if not self._pass_is_finite(loss):
                 # Overflow (e.g. fp16 under GradScaler) or divergence: this pass's
                 # curvature is discarded so the running estimate, the EMA and the
                 # inverses stay those of the last finite step. The gradient is
                 # written as it is (non-finite), for the scaler to skip the step.
                 curvature_due = preconditioner_due = False
-                self.skipped_curvature_updates += 1
-                if self.skipped_curvature_updates == 1:
-                    warnings.warn(
-                        f"{type(self).__name__}: non-finite loss or gradient at step "
-                        f"{self.step}; its curvature is discarded (counted in "
-                        "skipped_curvature_updates, warned once).",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                self._skip_curvature("loss or gradient")
             else:
-                with denormals_flushed():
+                with curvature_arithmetic():
                     self.update_curvature()
                 self.curvature_updates += 1
-        else:
-            output, loss = self._forward_backward()
         # The model's own passes above run in the user's float mode; only the
         # curvature arithmetic flushes subnormals (see _denormal.py for why).
-        with denormals_flushed():
+        with curvature_arithmetic():
             if preconditioner_due:
                 self.update_preconditioner()
                 self.preconditioner_updates += 1
             self.precondition()
+        _patterns.scale_gradients(self.model, scale)
         self.step += 1
-        return output, loss
+        return output, unscaled(loss, grad_scaler)
+
+    def _skip_curvature(self, what: str) -> None:
+        """Discard this step's curvature pass (non-finite ``what``); warn once."""
+        self._discard_pass()
+        self.skipped_curvature_updates += 1
+        if self.skipped_curvature_updates == 1:
+            warnings.warn(
+                f"{type(self).__name__}: non-finite {what} at step {self.step}; its "
+                "curvature is discarded (counted in skipped_curvature_updates, "
+                "warned once).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # -- loss scaling, micro-batches, frozen parameters (see _patterns.py) ---------
+    # Whether the loss gradient reaches the curvature only through ``.grad`` and the
+    # logits' gradient, so a GradScaler's scale can be divided out of both.
+    scales_loss: bool = False
+    # Whether the statistics come from module hooks (LoopRecorder) rather than .grad.
+    records_in_loop: bool = False
+    # Whether a parameter frozen after construction (no ``.grad``) is skipped.
+    skips_frozen: bool = True
+
+    def _discard_pass(self) -> None:
+        """Forget what a discarded curvature pass collected (beyond what the next
+        pass overwrites anyway)."""
+
+    def _accumulation_refusal(self) -> str | None:
+        """Why this maker cannot combine micro-batches (``None``: it can)."""
+        return (
+            "its curvature pass runs the model itself on one batch (a second-order "
+            "backward, a replay at other parameters, or per-example vmap)"
+        )
 
     def _pass_is_finite(self, loss: Tensor) -> bool:
         """Whether the curvature pass produced a finite loss and finite gradients.

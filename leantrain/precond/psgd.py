@@ -117,6 +117,8 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
         [(8, 8), (5, 5)]
     """
 
+    skips_frozen = False  # its state is fitted to the parameters it was built with
+
     def __init__(
         self,
         model: nn.Module,

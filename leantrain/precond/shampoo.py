@@ -149,6 +149,11 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         """Any module owning trainable parameters."""
         return any(p.requires_grad for p in module.parameters(recurse=False))
 
+    scales_loss = True  # its statistics are the (unscaled) gradient itself
+
+    def _accumulation_refusal(self) -> str | None:
+        return None  # the statistics are the accumulated gradient
+
     def _matrix(self, grad: Tensor) -> Tensor:
         if grad.ndim <= 1:
             return grad.reshape(-1, 1)  # one-sided: only L
@@ -162,6 +167,7 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
     def _forward_backward(self) -> tuple[Any, Tensor]:
         if (
             not self._capture.modules
+            or self._loss_scale != 1.0  # its statistics must see the unscaled G
             or self._process_group() is not None
             or isinstance(self.model, nn.parallel.DistributedDataParallel)
         ):

@@ -249,14 +249,39 @@ def test_lightning_equals_gradient_maker(case, manual, accumulate):
     assert_trained(net, initial)
 
 
-def test_activation_checkpointing_is_refused():
+def _checkpointed_loop(model, method: str, kwargs: dict) -> None:
+    opt = precondition_in_loop(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        method,
+        config=CONFIG,
+        **kwargs,
+    )
+    for step in range(3):  # warm-up, then a step without and one with curvature
+        ids = token_batch(POSITIONS // SEQ, SEQ, seed=10 + step)
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    ("case", "reentrant"),
+    [("kfac-emp", False), ("kfac-mc", False), ("kfac-emp", True)],
+)
+def test_activation_checkpointing_equals_the_plain_model(case, reentrant):
+    method, _, kwargs = METHODS[case]
+    model, ref = llama(), llama()
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    _checkpointed_loop(model, method, kwargs)
+    _checkpointed_loop(ref, method, kwargs)
+    assert_same_parameters(model, ref, tol=1e-12)
+
+
+def test_reentrant_checkpointing_with_monte_carlo_vectors_is_refused():
     model = llama()
-    model.activation_checkpointing_enable()
-    sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    with pytest.raises(NotImplementedError, match="checkpointing"):
-        precondition_in_loop(sgd, model, "kfac")
-    model.activation_checkpointing_disable()
-    assert precondition_in_loop(sgd, model, "kfac").maker.step == 0
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        _checkpointed_loop(model, "kfac", {})
 
 
 def test_lightning_checkpoint_restores_the_curvature(tmp_path):

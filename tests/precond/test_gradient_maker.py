@@ -268,3 +268,20 @@ def test_user_guide_examples_run():
     for i, block in enumerate(blocks):
         exec(compile(block, f"{guide.name} block {i}", "exec"), namespace)
     assert namespace["loss"].ndim == 0
+
+
+def test_grad_scaler_scales_the_backward_and_not_the_returned_loss(zoo):
+    model = zoo.MLP()
+    x, t = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    gm = GradientMaker(model)
+    gm.setup_loss_call(F.cross_entropy, gm.setup_model_call(model, x), t)
+    _, loss = gm.forward_and_backward(grad_scaler=scaler)
+    scaled = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    _, plain = gm.forward_and_backward()
+    assert torch.equal(loss, plain.detach())
+    for a, p in zip(scaled, model.parameters(), strict=True):
+        assert torch.equal(a, p.grad * 2.0**8)
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        gm.forward_and_backward(grad_scaler=2.0)

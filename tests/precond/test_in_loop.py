@@ -410,3 +410,75 @@ def test_more_than_one_process_is_refused(monkeypatch):
     model = tiny_gpt()
     with pytest.raises(NotImplementedError, match="single process"):
         precondition_in_loop(torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac")
+
+
+def test_in_loop_argument_errors():
+    model = torch.nn.Linear(4, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="accumulation_steps=2 is for the maker"):
+        precondition_in_loop(sgd, model, "kfac", config={"accumulation_steps": 2})
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        precondition_in_loop(sgd, model, "kfac", grad_scaler="scaler")
+
+
+def test_step_skipped_by_the_scaler_between_curvature_steps_leaves_no_trace():
+    # Curvature every 2nd step (Monte-Carlo draws); the scaler skips step 1, which
+    # records nothing: the run equals one that never saw that batch.
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    ).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.arange(8) % 3)
+        for _ in range(6)
+    ]
+    data[1][0][0, 0] = float("inf")
+    config = {"curvature_interval": 2, "preconditioner_interval": 2}
+
+    def run(batches, scaler):
+        model = copy.deepcopy(initial)
+        opt = precondition_in_loop(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac", config=config
+        )
+        for x, t in batches:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), t)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+        return [p.detach() for p in model.parameters()]
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    got = run(data, scaler)
+    want = run(data[:1] + data[2:], None)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_deep_copy_of_the_model_is_not_recorded():
+    # copy.deepcopy copies the hooks too; the copy's calls must not be recorded.
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    ).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    t = torch.arange(8) % 3
+
+    def run(with_copy):
+        model = copy.deepcopy(initial)
+        opt = precondition_in_loop(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac"
+        )
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), t).backward()
+            if with_copy:  # e.g. a teacher or EMA copy run with gradients
+                twin = copy.deepcopy(model)
+                torch.nn.functional.cross_entropy(twin(x * 2), t).backward()
+            opt.step()
+        return [p.detach() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))

@@ -112,6 +112,8 @@ def test_num_total_steps_stops_the_maker(zoo):
         ({"ema_decay": 0.0}, ValueError, "ema_decay"),
         ({"ema_decay": -0.5}, ValueError, "ema_decay"),
         ({"num_total_steps": 0}, ValueError, "num_total_steps"),
+        ({"accumulation_steps": 0}, ValueError, "accumulation_steps"),
+        ({"accumulation_steps": 1.5}, TypeError, "accumulation_steps"),
         ({"num_total_steps": 3, "warmup_steps": 5}, ValueError, "exceeds"),
         (
             {"curvature_interval": 2, "preconditioner_interval": 3, "ema_decay": 0.9},

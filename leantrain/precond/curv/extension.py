@@ -30,6 +30,7 @@ output-gradients are taken from the tensor hooks during a backward to the parame
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from functools import partial
 
@@ -37,12 +38,19 @@ import torch
 from torch import nn
 
 from leantrain import evaluation
+from leantrain.precond._denormal import autocast_off
 
 from ._mha import mha_forward
+from ._recompute import records_evaluation
 from ._selection import build_ops, resolve_ignored
 from ._tied import TiedOp
 
-__all__ = ["SHAPES", "CurvatureCollector", "check_shape", "resolve_ignored"]
+__all__ = [
+    "SHAPES",
+    "CurvatureCollector",
+    "check_shape",
+    "resolve_ignored",
+]
 
 SHAPES = ("full", "layer", "kron", "unit", "diag")
 _FULL_CHUNK = 1 << 22
@@ -121,7 +129,11 @@ class CurvatureCollector:
             and (name in tracked or f"{name}.out_proj" in tracked)
         ]
         self._handles: list = []
+        self._hooked: set[int] = set()  # ids of this model's modules
         self._in_pass = False
+        # Set by a recorder whose statistics come from the user's own backward:
+        # returns the call records a reentrant checkpoint's re-run belongs to.
+        self.reentrant_calls = None
         self.reset()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -130,15 +142,16 @@ class CurvatureCollector:
         if self._handles:
             return self
         modules = dict(self.model.named_modules())
+        self._hooked = {id(m) for m in modules.values()}
         for name in self._mha:
-            hook = partial(self._on_mha_forward, name)
+            hook = eager(partial(self._on_mha_forward, name))
             self._handles.append(
                 modules[name].register_forward_hook(hook, with_kwargs=True)
             )
         for name, op in self.ops.items():
             if name in self._mha:
                 continue
-            hook = partial(self._on_forward, name)
+            hook = eager(partial(self._on_forward, name))
             for module in op.hooked_modules():
                 self._handles.append(
                     module.register_forward_hook(hook, with_kwargs=True)
@@ -172,10 +185,16 @@ class CurvatureCollector:
         self._detached = False  # a call was recorded in a detached evaluation
 
     # -- hooks -------------------------------------------------------------------
+    @autocast_off()
     def _record(
         self, name: str, args: tuple, output: object, module: nn.Module | None = None
     ) -> None:
-        if not torch.is_grad_enabled() or evaluation.is_auxiliary():
+        calls = self._calls
+        if self.reentrant_calls is not None and _reentrant_rerun():
+            # A reentrant checkpoint's re-run, inside the backward of a recorded
+            # call (a user's loop): the call that owns that backward takes it.
+            calls = self.reentrant_calls()
+        elif not records_evaluation(name):
             return
         if evaluation.in_detached():
             # autograd.grad from the output cannot ask for these tensors: their
@@ -187,17 +206,18 @@ class CurvatureCollector:
         else:
             feats, tensors = op.record_module(module, args, output)
         call = (feats, [None] * len(tensors))
-        self._calls[name].append(call)
+        calls[name].append(call)
         for slot, tensor in enumerate(tensors):
             if tensor.requires_grad:
                 tensor.register_hook(partial(self._on_grad, name, call, slot))
-                self._outputs.append((name, call, slot, tensor, tensor._version))
+                if calls is self._calls:
+                    self._outputs.append((name, call, slot, tensor, tensor._version))
 
     def _on_forward(self, name, module, args, kwargs, output):
         if not args:  # input passed by keyword, e.g. linear(input=x)
             args = tuple(kwargs.values())
-        if not torch.is_grad_enabled():
-            return None
+        if not torch.is_grad_enabled() or id(module) not in self._hooked:
+            return None  # no gradient, or a deep copy of the model (its hooks too)
         expanded = broadcast_embedding(module, args, output, self._batch_seen)
         if expanded is not None:
             args, output = expanded
@@ -207,13 +227,14 @@ class CurvatureCollector:
         return output if expanded is not None else None
 
     def _on_mha_forward(self, name, module, args, kwargs, output):
-        if evaluation.is_auxiliary():
+        if evaluation.is_auxiliary() or id(module) not in self._hooked:
             return None  # the module's own output: nothing recorded
         result, taps = mha_forward(module, *args, **kwargs)
         if name in self.ops:
             self._record(name, (), taps)
         return result  # replaces the module's output: the graph now runs through taps
 
+    @autocast_off()
     def _on_grad(self, name: str, call: tuple, slot: int, grad: torch.Tensor) -> None:
         if self._in_pass and not evaluation.is_auxiliary():
             call[1][slot] = self.ops[name].grad_feature(slot, grad)
@@ -224,6 +245,7 @@ class CurvatureCollector:
         for vector in vectors:
             self.backward_pass(output, vector)
 
+    @autocast_off()
     def backward_pass(self, output: torch.Tensor, vector: torch.Tensor) -> None:
         """Back-propagate ``vector`` from ``output`` and accumulate the statistics.
 
@@ -375,6 +397,7 @@ class CurvatureCollector:
             self._full += g.T @ g
 
     # -- results -----------------------------------------------------------------
+    @autocast_off()
     def statistics(self) -> dict[str, dict]:
         """Per-module accumulated tensors.
 
@@ -402,6 +425,22 @@ class CurvatureCollector:
     def full(self) -> torch.Tensor | None:
         """The accumulated ``(P, P)`` matrix over ``self.params`` ("full" shape)."""
         return self._full
+
+
+def eager(hook):
+    """``hook``, run eagerly when a ``torch.compile``'d model calls it: dynamo then
+    breaks the graph around it instead of tracing the collector's Python (only once
+    dynamo is loaded, so a process that compiles nothing does not import it)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return hook if dynamo is None else dynamo.disable(hook)
+
+
+def _reentrant_rerun() -> bool:
+    return (
+        torch.is_grad_enabled()
+        and not evaluation.is_auxiliary()
+        and evaluation.recomputation() == "reentrant"
+    )
 
 
 def broadcast_embedding(
