@@ -69,9 +69,13 @@ from leantrain.layer_parallel.projection import (  # noqa: E402
     project,
     projection_table,
 )
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes  # noqa: E402
+from leantrain.layer_parallel.simulate import (  # noqa: E402
+    CommModel,
+    LayerTimes,
+    OutsideTimes,
+)
 from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline  # noqa: E402
-from leantrain.layer_parallel.timing import LayerSampler  # noqa: E402
+from leantrain.layer_parallel.timing import LayerSampler, OutsideSampler  # noqa: E402
 from leantrain.models import GPT, GPTConfig, lm_loss  # noqa: E402
 
 RANKS = 2
@@ -330,7 +334,18 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
             m: LayerSampler(block, x[: args.batch // m], 1 / 64)
             for m in sorted({1, *args.micro_batches})
         }
-        for sampler in samplers.values():
+        # The work outside the stack (embedding, head, loss, AdamW) per micro-batch
+        # size, sampled the same way; AdamW on a sampling copy of 8 layers.
+        ends_model = _model(args, 8)
+        ends = {
+            m: OutsideSampler(
+                ends_model,
+                (batches[0][0][: args.batch // m], batches[0][1][: args.batch // m]),
+                lr=args.lr,
+            )
+            for m in samplers
+        }
+        for sampler in [*samplers.values(), *ends.values()]:
             sampler()
             sampler.samples.clear()
         per_round = max(1, -(-args.layer_reps // (len(args.depths) * len(runs))))
@@ -341,11 +356,12 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
             for run in runs:
                 rows[run.label] = _measure_run(run, args, depth, batches, eval_batch)
                 dist.barrier()
-                for sampler in samplers.values():
+                for sampler in [*samplers.values(), *ends.values()]:
                     for _ in range(per_round):
                         sampler()
             results["depths"][depth] = rows
             results["times"] = {m: smp.times() for m, smp in samplers.items()}
+            results["outside"] = {m: smp.times() for m, smp in ends.items()}
             if rank == 0:  # each depth's table as soon as it is measured
                 print_measured(args, runs, results, only=depth)
                 if args.save:
@@ -390,6 +406,16 @@ def save(path: str, args, res: dict) -> None:
             str(m): [t.forward, t.backward, t.forward_record, t.backward_params]
             for m, t in res["times"].items()
         },
+        "outside": {
+            str(m): [
+                t.embed,
+                t.head_forward,
+                t.head_backward,
+                t.optimizer_layer,
+                t.optimizer_ends,
+            ]
+            for m, t in res["outside"].items()
+        },
         "depths": {str(n): rows for n, rows in res["depths"].items()},
     }
     with open(path, "w") as f:
@@ -409,6 +435,10 @@ def load(path: str, args) -> dict:
         "state_bytes": data["state_bytes"],
         "act": data["act"],
         "times": {int(m): LayerTimes(*t) for m, t in data["times"].items()},
+        "outside": {
+            int(m): OutsideTimes(*t) for m, t in data.get("outside", {}).items()
+        }
+        or None,
         "depths": {int(n): rows for n, rows in data["depths"].items()},
     }
 
@@ -417,12 +447,15 @@ def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
     """Simulated step seconds, and the activation bytes each rank holds at its peak
     (a layer's saved tensors times the layers and micro-batches in flight)."""
     times, comm, sb, act = (res[k] for k in ("times", "comm", "state_bytes", "act"))
+    outside = res.get("outside") or {}
     full = times[1]
     if run.kind == "serial":
-        return depth * full.serial_step, [depth * act, 0.0]
+        ends = outside[1].step(depth) if outside else 0.0
+        return depth * full.serial_step + ends, [depth * act, 0.0]
     if run.kind == "lp":  # the final sweep keeps the graphs of the rank's layers
         per_rank = depth // RANKS * act
-        return run.lp.step(depth, RANKS, full, comm, sb), [per_rank] * RANKS
+        step = run.lp.step(depth, RANKS, full, comm, sb, outside.get(1))
+        return step, [per_rank] * RANKS
     m = run.micro_batches
     r = simulate_pipeline(
         depth,
@@ -434,6 +467,8 @@ def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
         state_bytes=sb / m,
         serial_times=full,
         layer_activation_bytes=act / m,
+        outside=outside.get(m),
+        serial_outside=outside.get(1),
     )
     return r.step, list(r.activation_bytes)
 
@@ -454,6 +489,25 @@ def print_measured(args, runs: list[Run], res: dict, only: int | None = None) ->
         + "; ".join(f"M={m}: {_ms(t)}" for m, t in res["times"].items())
         + f"; a layer saves {res['act'] / 2**20:.1f} MB for its backward (batch)"
     )
+    if res.get("outside"):
+        print(
+            "outside the stack ms (embed / head fwd / head bwd / AdamW per layer / "
+            "AdamW embed+head) per micro-batch count: "
+            + "; ".join(
+                f"M={m}: "
+                + " / ".join(
+                    f"{v * 1e3:.2f}"
+                    for v in (
+                        t.embed,
+                        t.head_forward,
+                        t.head_backward,
+                        t.optimizer_layer,
+                        t.optimizer_ends,
+                    )
+                )
+                for m, t in res["outside"].items()
+            )
+        )
     sys.stdout.flush()
     for depth, rows in res["depths"].items():
         if only is not None and depth != only:
@@ -492,6 +546,7 @@ def print_projection(args, settings: list[MGRITSetting], res: dict) -> list:
         settings,
         res["comm"],
         res["state_bytes"],
+        res.get("outside"),
     )
     print(
         "\n## Projected, gloo messages as measured: best pipeline step / MGRIT step "
