@@ -192,8 +192,11 @@ def _model(args, depth: int) -> GPT:
     return GPT(cfg)
 
 
-def _train(run: Run, model: GPT, batches, args) -> list[float]:
-    """Train ``model`` in place; returns per-step seconds (the same on all ranks)."""
+def _train(run: Run, model: GPT, batches, args, sample=None) -> list[float]:
+    """Train ``model`` in place; returns per-step seconds (the same on all ranks).
+
+    ``sample()`` runs after every step on the ranks the run keeps busy (rank 0
+    alone for serial), so its samples see the load the steps saw."""
     rank = dist.get_rank()
     if run.kind == "serial":
         params, step = list(model.parameters()), None
@@ -223,6 +226,8 @@ def _train(run: Run, model: GPT, batches, args) -> list[float]:
                 step(x, y)
             opt.step()
         times.append(time.perf_counter() - t0)
+        if sample is not None and (run.kind != "serial" or rank == 0):
+            sample()
     t = torch.tensor(times)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -250,11 +255,34 @@ def _gather_weights(run: Run, model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.items()}
 
 
-def _measure_run(run: Run, args, depth: int, batches, eval_batch) -> dict:
+def _run_samplers(args, block, x, ends_model, batch, sizes) -> list:
+    """Fresh layer and outside-the-stack samplers, one pair per micro-batch size."""
+    out = []
+    for m in sizes:
+        mb = args.batch // m
+        out.append(
+            (
+                m,
+                LayerSampler(block, x[:mb], 1 / 64),
+                OutsideSampler(ends_model, (batch[0][:mb], batch[1][:mb]), lr=args.lr),
+            )
+        )
+    return out
+
+
+def _measure_run(
+    run: Run, args, depth: int, batches, eval_batch, samplers=None
+) -> dict:
     _reset_hwm()
     base = _status_mb("VmRSS")
     model = _model(args, depth)
-    times = _train(run, model, batches, args)
+
+    def sample() -> None:
+        for _, layers, ends in samplers:
+            layers()
+            ends()
+
+    times = _train(run, model, batches, args, sample if samplers else None)
     peak = torch.tensor([_status_mb("VmHWM"), _status_mb("VmHWM") - base])
     peaks = [torch.zeros(2) for _ in range(RANKS)]
     dist.all_gather(peaks, peak)
@@ -264,11 +292,29 @@ def _measure_run(run: Run, args, depth: int, batches, eval_batch) -> dict:
     with torch.no_grad():
         loss = float(lm_loss(ref(eval_batch[0]), eval_batch[1]))
     del model, ref, state
-    return {
+    out = {
         "step": statistics.median(times[1:]),
         "loss": loss,
         "peak": [p.tolist() for p in peaks],  # per rank: (peak, rise over start)
     }
+    if samplers and samplers[0][1].samples:  # the first sample is a warm-up
+        for _, layers, ends in samplers:
+            layers.samples, ends.samples = layers.samples[1:], ends.samples[1:]
+        out["times"] = {m: list(_fields(layers.times())) for m, layers, _ in samplers}
+        out["outside"] = {m: list(_fields(ends.times())) for m, _, ends in samplers}
+    return out
+
+
+def _fields(t) -> tuple[float, ...]:
+    if isinstance(t, LayerTimes):
+        return (t.forward, t.backward, t.forward_record, t.backward_params)
+    return (
+        t.embed,
+        t.head_forward,
+        t.head_backward,
+        t.optimizer_layer,
+        t.optimizer_ends,
+    )
 
 
 def _ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
@@ -354,7 +400,12 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
         for depth in args.depths:
             rows = {}
             for run in runs:
-                rows[run.label] = _measure_run(run, args, depth, batches, eval_batch)
+                per_run = _run_samplers(
+                    args, block, x, ends_model, batches[0], samplers
+                )
+                rows[run.label] = _measure_run(
+                    run, args, depth, batches, eval_batch, per_run
+                )
                 dist.barrier()
                 for sampler in [*samplers.values(), *ends.values()]:
                     for _ in range(per_round):
@@ -448,6 +499,10 @@ def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
     (a layer's saved tensors times the layers and micro-batches in flight)."""
     times, comm, sb, act = (res[k] for k in ("times", "comm", "state_bytes", "act"))
     outside = res.get("outside") or {}
+    row = res["depths"][depth][run.label]
+    if "times" in row:  # sampled between this run's own steps
+        times = {int(m): LayerTimes(*t) for m, t in row["times"].items()}
+        outside = {int(m): OutsideTimes(*t) for m, t in row["outside"].items()}
     full = times[1]
     if run.kind == "serial":
         ends = outside[1].step(depth) if outside else 0.0

@@ -28,8 +28,9 @@ so the idle fraction of each rank, the *bubble*, is ``(P - 1) / (M + P - 1)``
 per micro-batch) goes where the pipeline runs it: the embedding into the first
 stage's forwards, the head and loss into the last stage's forwards and backwards,
 and after the schedule each rank's optimizer step over its own layers (the first and
-last ranks also over the embedding and head parameters). The schedules differ in memory: a GPipe rank holds the
-activations of all ``M`` micro-batches at its peak, a 1F1B rank ``min(M, P - p)``.
+last ranks also over the embedding and head parameters). The schedules differ in
+memory: a GPipe rank holds the activations of all ``M`` micro-batches at its peak,
+a 1F1B rank ``min(M, P - p)``.
 """
 
 from __future__ import annotations

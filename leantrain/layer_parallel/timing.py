@@ -77,7 +77,9 @@ class LayerSampler:
         ]
         t4 = clock()
         del kept
-        self.samples.append(((t1 - t0) / k, (t3 - t2) / k, (t2 - t1) / k, (t4 - t3) / k))
+        self.samples.append(
+            ((t1 - t0) / k, (t3 - t2) / k, (t2 - t1) / k, (t4 - t3) / k)
+        )
 
     def times(self) -> LayerTimes:
         """Median of every kind over the samples taken."""
