@@ -205,15 +205,16 @@ def profile_phases(stack, timer: PhaseTimer | None = None) -> Iterator[PhaseTime
 
     saved = stack._exchanges
     StepPropagator.__call__, AdjointPropagator.__call__ = fwd, adj
-    stack._solve_forward = timer.wrap("fwd solver", stack._solve_forward)
-    stack._solve_adjoint = timer.wrap("adj solver", stack._solve_adjoint)
-    stack._output = timer.wrap("msg broadcast", stack._output)
-    if saved is not None:
+    wrapped = {"_solve_forward": "fwd solver", "_solve_adjoint": "adj solver"}
+    if saved is not None:  # distributed: the output is broadcast from the last rank
+        wrapped["_output"] = "msg broadcast"
         stack._exchanges = tuple(_TimedExchange(ex, timer) for ex in saved)
+    for name, phase in wrapped.items():
+        setattr(stack, name, timer.wrap(phase, getattr(stack, name)))
     try:
         yield timer
     finally:
         StepPropagator.__call__, AdjointPropagator.__call__ = fwd_call, adj_call
-        for name in ("_solve_forward", "_solve_adjoint", "_output"):
+        for name in wrapped:
             del stack.__dict__[name]
         stack._exchanges = saved
