@@ -69,9 +69,13 @@ from leantrain.layer_parallel.projection import (  # noqa: E402
     project,
     projection_table,
 )
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes  # noqa: E402
+from leantrain.layer_parallel.simulate import (  # noqa: E402
+    CommModel,
+    LayerTimes,
+    OutsideTimes,
+)
 from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline  # noqa: E402
-from leantrain.layer_parallel.timing import LayerSampler  # noqa: E402
+from leantrain.layer_parallel.timing import LayerSampler, OutsideSampler  # noqa: E402
 from leantrain.models import GPT, GPTConfig, lm_loss  # noqa: E402
 
 RANKS = 2
@@ -188,8 +192,11 @@ def _model(args, depth: int) -> GPT:
     return GPT(cfg)
 
 
-def _train(run: Run, model: GPT, batches, args) -> list[float]:
-    """Train ``model`` in place; returns per-step seconds (the same on all ranks)."""
+def _train(run: Run, model: GPT, batches, args, sample=None) -> list[float]:
+    """Train ``model`` in place; returns per-step seconds (the same on all ranks).
+
+    ``sample()`` runs after every step on the ranks the run keeps busy (rank 0
+    alone for serial), so its samples see the load the steps saw."""
     rank = dist.get_rank()
     if run.kind == "serial":
         params, step = list(model.parameters()), None
@@ -219,6 +226,8 @@ def _train(run: Run, model: GPT, batches, args) -> list[float]:
                 step(x, y)
             opt.step()
         times.append(time.perf_counter() - t0)
+        if sample is not None and (run.kind != "serial" or rank == 0):
+            sample()
     t = torch.tensor(times)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -246,11 +255,34 @@ def _gather_weights(run: Run, model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.items()}
 
 
-def _measure_run(run: Run, args, depth: int, batches, eval_batch) -> dict:
+def _run_samplers(args, block, x, ends_model, batch, sizes) -> list:
+    """Fresh layer and outside-the-stack samplers, one pair per micro-batch size."""
+    out = []
+    for m in sizes:
+        mb = args.batch // m
+        out.append(
+            (
+                m,
+                LayerSampler(block, x[:mb], 1 / 64),
+                OutsideSampler(ends_model, (batch[0][:mb], batch[1][:mb]), lr=args.lr),
+            )
+        )
+    return out
+
+
+def _measure_run(
+    run: Run, args, depth: int, batches, eval_batch, samplers=None
+) -> dict:
     _reset_hwm()
     base = _status_mb("VmRSS")
     model = _model(args, depth)
-    times = _train(run, model, batches, args)
+
+    def sample() -> None:
+        for _, layers, ends in samplers:
+            layers()
+            ends()
+
+    times = _train(run, model, batches, args, sample if samplers else None)
     peak = torch.tensor([_status_mb("VmHWM"), _status_mb("VmHWM") - base])
     peaks = [torch.zeros(2) for _ in range(RANKS)]
     dist.all_gather(peaks, peak)
@@ -260,11 +292,29 @@ def _measure_run(run: Run, args, depth: int, batches, eval_batch) -> dict:
     with torch.no_grad():
         loss = float(lm_loss(ref(eval_batch[0]), eval_batch[1]))
     del model, ref, state
-    return {
+    out = {
         "step": statistics.median(times[1:]),
         "loss": loss,
         "peak": [p.tolist() for p in peaks],  # per rank: (peak, rise over start)
     }
+    if samplers and samplers[0][1].samples:  # the first sample is a warm-up
+        for _, layers, ends in samplers:
+            layers.samples, ends.samples = layers.samples[1:], ends.samples[1:]
+        out["times"] = {m: list(_fields(layers.times())) for m, layers, _ in samplers}
+        out["outside"] = {m: list(_fields(ends.times())) for m, _, ends in samplers}
+    return out
+
+
+def _fields(t) -> tuple[float, ...]:
+    if isinstance(t, LayerTimes):
+        return (t.forward, t.backward, t.forward_record, t.backward_params)
+    return (
+        t.embed,
+        t.head_forward,
+        t.head_backward,
+        t.optimizer_layer,
+        t.optimizer_ends,
+    )
 
 
 def _ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
@@ -288,7 +338,10 @@ def _comm_model() -> CommModel:
     lat = _ping(1 - rank, torch.zeros(2), rank == 0, 20)
     big = torch.zeros(1 << 20)
     big_t = _ping(1 - rank, big, rank == 0, 5)
-    return CommModel(latency=lat, bandwidth=big.numel() * 4 / max(big_t - lat, 1e-9))
+    # a loaded machine can time the small message slower than the big one
+    return CommModel(
+        latency=lat, bandwidth=big.numel() * 4 / max(big_t - lat, big_t / 2)
+    )
 
 
 def _activation_bytes(block: torch.nn.Module, x: torch.Tensor, dt: float) -> float:
@@ -330,7 +383,18 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
             m: LayerSampler(block, x[: args.batch // m], 1 / 64)
             for m in sorted({1, *args.micro_batches})
         }
-        for sampler in samplers.values():
+        # The work outside the stack (embedding, head, loss, AdamW) per micro-batch
+        # size, sampled the same way; AdamW on a sampling copy of 8 layers.
+        ends_model = _model(args, 8)
+        ends = {
+            m: OutsideSampler(
+                ends_model,
+                (batches[0][0][: args.batch // m], batches[0][1][: args.batch // m]),
+                lr=args.lr,
+            )
+            for m in samplers
+        }
+        for sampler in [*samplers.values(), *ends.values()]:
             sampler()
             sampler.samples.clear()
         per_round = max(1, -(-args.layer_reps // (len(args.depths) * len(runs))))
@@ -339,13 +403,19 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
         for depth in args.depths:
             rows = {}
             for run in runs:
-                rows[run.label] = _measure_run(run, args, depth, batches, eval_batch)
+                per_run = _run_samplers(
+                    args, block, x, ends_model, batches[0], samplers
+                )
+                rows[run.label] = _measure_run(
+                    run, args, depth, batches, eval_batch, per_run
+                )
                 dist.barrier()
-                for sampler in samplers.values():
+                for sampler in [*samplers.values(), *ends.values()]:
                     for _ in range(per_round):
                         sampler()
             results["depths"][depth] = rows
             results["times"] = {m: smp.times() for m, smp in samplers.items()}
+            results["outside"] = {m: smp.times() for m, smp in ends.items()}
             if rank == 0:  # each depth's table as soon as it is measured
                 print_measured(args, runs, results, only=depth)
                 if args.save:
@@ -390,6 +460,16 @@ def save(path: str, args, res: dict) -> None:
             str(m): [t.forward, t.backward, t.forward_record, t.backward_params]
             for m, t in res["times"].items()
         },
+        "outside": {
+            str(m): [
+                t.embed,
+                t.head_forward,
+                t.head_backward,
+                t.optimizer_layer,
+                t.optimizer_ends,
+            ]
+            for m, t in res["outside"].items()
+        },
         "depths": {str(n): rows for n, rows in res["depths"].items()},
     }
     with open(path, "w") as f:
@@ -409,6 +489,10 @@ def load(path: str, args) -> dict:
         "state_bytes": data["state_bytes"],
         "act": data["act"],
         "times": {int(m): LayerTimes(*t) for m, t in data["times"].items()},
+        "outside": {
+            int(m): OutsideTimes(*t) for m, t in data.get("outside", {}).items()
+        }
+        or None,
         "depths": {int(n): rows for n, rows in data["depths"].items()},
     }
 
@@ -417,12 +501,19 @@ def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
     """Simulated step seconds, and the activation bytes each rank holds at its peak
     (a layer's saved tensors times the layers and micro-batches in flight)."""
     times, comm, sb, act = (res[k] for k in ("times", "comm", "state_bytes", "act"))
+    outside = res.get("outside") or {}
+    row = res["depths"][depth][run.label]
+    if "times" in row:  # sampled between this run's own steps
+        times = {int(m): LayerTimes(*t) for m, t in row["times"].items()}
+        outside = {int(m): OutsideTimes(*t) for m, t in row["outside"].items()}
     full = times[1]
     if run.kind == "serial":
-        return depth * full.serial_step, [depth * act, 0.0]
+        ends = outside[1].step(depth) if outside else 0.0
+        return depth * full.serial_step + ends, [depth * act, 0.0]
     if run.kind == "lp":  # the final sweep keeps the graphs of the rank's layers
         per_rank = depth // RANKS * act
-        return run.lp.step(depth, RANKS, full, comm, sb), [per_rank] * RANKS
+        step = run.lp.step(depth, RANKS, full, comm, sb, outside.get(1))
+        return step, [per_rank] * RANKS
     m = run.micro_batches
     r = simulate_pipeline(
         depth,
@@ -434,6 +525,8 @@ def _predict(run: Run, depth: int, res: dict) -> tuple[float, list[float]]:
         state_bytes=sb / m,
         serial_times=full,
         layer_activation_bytes=act / m,
+        outside=outside.get(m),
+        serial_outside=outside.get(1),
     )
     return r.step, list(r.activation_bytes)
 
@@ -454,6 +547,25 @@ def print_measured(args, runs: list[Run], res: dict, only: int | None = None) ->
         + "; ".join(f"M={m}: {_ms(t)}" for m, t in res["times"].items())
         + f"; a layer saves {res['act'] / 2**20:.1f} MB for its backward (batch)"
     )
+    if res.get("outside"):
+        print(
+            "outside the stack ms (embed / head fwd / head bwd / AdamW per layer / "
+            "AdamW embed+head) per micro-batch count: "
+            + "; ".join(
+                f"M={m}: "
+                + " / ".join(
+                    f"{v * 1e3:.2f}"
+                    for v in (
+                        t.embed,
+                        t.head_forward,
+                        t.head_backward,
+                        t.optimizer_layer,
+                        t.optimizer_ends,
+                    )
+                )
+                for m, t in res["outside"].items()
+            )
+        )
     sys.stdout.flush()
     for depth, rows in res["depths"].items():
         if only is not None and depth != only:
@@ -492,6 +604,7 @@ def print_projection(args, settings: list[MGRITSetting], res: dict) -> list:
         settings,
         res["comm"],
         res["state_bytes"],
+        res.get("outside"),
     )
     print(
         "\n## Projected, gloo messages as measured: best pipeline step / MGRIT step "

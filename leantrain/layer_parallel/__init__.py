@@ -55,6 +55,7 @@ from leantrain.layer_parallel.schedule import (
 from leantrain.layer_parallel.simulate import (
     CommModel,
     LayerTimes,
+    OutsideTimes,
     SimResult,
     simulate,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "MGRITDivergenceError",
     "MGRITOptions",
     "MGRITStats",
+    "OutsideTimes",
     "Propagator",
     "State",
     "Step",

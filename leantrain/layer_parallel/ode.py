@@ -60,8 +60,15 @@ def sub(a: State, b: State) -> State:
 
 
 def sq_norm(a: State) -> float:
-    """Squared Euclidean norm of all tensors in the state, as a Python float."""
-    return float(sum(x.detach().double().pow(2).sum() for x in as_tuple(a)))
+    """Squared Euclidean norm of all tensors in the state, as a Python float.
+
+    Accumulated in float64 without a float64 copy of the state (a residual norm is
+    taken at every C-point of every sweep).
+    """
+    return sum(
+        float(torch.linalg.vector_norm(x.detach(), dtype=torch.float64)) ** 2
+        for x in as_tuple(a)
+    )
 
 
 def zeros_like(a: State) -> State:

@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes, simulate
+from leantrain.layer_parallel.simulate import (
+    CommModel,
+    LayerTimes,
+    OutsideTimes,
+    simulate,
+)
 from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline
 
 
@@ -49,6 +54,7 @@ class MGRITSetting:
         times: LayerTimes,
         comm: CommModel,
         state_bytes: float,
+        outside: OutsideTimes | None = None,
     ) -> float:
         """Simulated seconds of one training step on ``ranks``."""
         fwd = max(self.fwd_iters, 1)
@@ -62,14 +68,10 @@ class MGRITSetting:
             bwd_iters=self.bwd_iters,
             comm=comm,
             state_bytes=state_bytes,
+            forward_solver="mgrit" if self.fwd_iters else "serial",
+            outside=outside,
         )
-        if self.fwd_iters:
-            return r.step
-        # exact forward: N recorded steps, one message per rank boundary
-        serial_fwd = n_layers * times.forward_record + (ranks - 1) * comm.message(
-            state_bytes
-        )
-        return r.step - r.forward + serial_fwd + comm.broadcast(state_bytes, ranks)
+        return r.step
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ def best_pipeline(
     full: LayerTimes,
     comm: CommModel,
     state_bytes: float,
+    outside_by_mb: Mapping[int, OutsideTimes] | None = None,
 ) -> tuple[float, str] | None:
     """Fastest GPipe / 1F1B step over the measured micro-batch counts, or None.
 
@@ -107,7 +110,10 @@ def best_pipeline(
         times_by_mb: layer times of one micro-batch, keyed by the micro-batch count.
         full: layer times of the whole batch (the serial reference).
         state_bytes: bytes of the whole batch's state (a micro-batch sends 1/M).
+        outside_by_mb: the work outside the stack, keyed like ``times_by_mb``
+            (default: none).
     """
+    outside_by_mb = outside_by_mb or {}
     if n_layers % ranks:
         return None
     best: tuple[float, str] | None = None
@@ -124,6 +130,8 @@ def best_pipeline(
                 comm=comm,
                 state_bytes=state_bytes / m,
                 serial_times=full,
+                outside=outside_by_mb.get(m),
+                serial_outside=outside_by_mb.get(1),
             )
             if best is None or r.step < best[0]:
                 best = (r.step, f"{schedule} M={m}")
@@ -137,30 +145,38 @@ def project(
     settings: Sequence[MGRITSetting],
     comm: CommModel,
     state_bytes: float,
+    outside_by_mb: Mapping[int, OutsideTimes] | None = None,
 ) -> list[Cell]:
     """Every (depth, ranks) cell, best pipeline and best MGRIT setting.
 
     ``times_by_mb[1]`` (one micro-batch: the whole batch) are MGRIT's layer times
-    and the serial reference.
+    and the serial reference; ``outside_by_mb`` (keyed the same way, optional) the
+    work outside the stack, charged to all three.
     """
     if 1 not in times_by_mb:
         raise ValueError("times_by_mb needs the whole batch's layer times at key 1")
+    if outside_by_mb is not None and set(outside_by_mb) != set(times_by_mb):
+        raise ValueError("outside_by_mb must have the keys of times_by_mb")
     full = times_by_mb[1]
+    outside = outside_by_mb[1] if outside_by_mb is not None else None
     cells = []
     for n in depths:
         for p in ranks:
-            pipe = best_pipeline(n, p, times_by_mb, full, comm, state_bytes)
+            pipe = best_pipeline(
+                n, p, times_by_mb, full, comm, state_bytes, outside_by_mb
+            )
             mgrit: tuple[float, str] | None = None
             for s in settings:
                 if s.valid(n, p):
-                    t = s.step(n, p, full, comm, state_bytes)
+                    t = s.step(n, p, full, comm, state_bytes, outside)
                     if mgrit is None or t < mgrit[0]:
                         mgrit = (t, s.label)
             cells.append(
                 Cell(
                     depth=n,
                     ranks=p,
-                    serial=n * full.serial_step,
+                    serial=n * full.serial_step
+                    + (outside.step(n) if outside is not None else 0.0),
                     pipeline=pipe[0] if pipe else None,
                     pipeline_label=pipe[1] if pipe else "",
                     mgrit=mgrit[0] if mgrit else None,

@@ -82,6 +82,54 @@ class LayerTimes:
 
 
 @dataclass(frozen=True)
+class OutsideTimes:
+    """Seconds of a training step's work outside the stack (validated).
+
+    Every rank of a layer-parallel step embeds the batch, runs the head and the loss
+    (the stack's output is broadcast to all) and steps its optimizer over its own
+    layers plus the embedding and head parameters; a serial step does the same with
+    all ``N`` layers; a pipeline's first stage embeds, its last runs the head.
+
+    Args:
+        embed: embedding forward + backward.
+        head_forward: final norm, head and loss forward.
+        head_backward: their backward.
+        optimizer_layer: optimizer step over one layer's parameters.
+        optimizer_ends: optimizer step over the embedding and head parameters.
+
+    Example:
+        >>> OutsideTimes(1.0, 2.0, 3.0, 0.5, 0.25).step(4)
+        8.25
+    """
+
+    embed: float = 0.0
+    head_forward: float = 0.0
+    head_backward: float = 0.0
+    optimizer_layer: float = 0.0
+    optimizer_ends: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "embed",
+            "head_forward",
+            "head_backward",
+            "optimizer_layer",
+            "optimizer_ends",
+        ):
+            check_float(f"OutsideTimes.{name}", getattr(self, name), positive=False)
+
+    def step(self, layers: int) -> float:
+        """A rank's outside work when it steps ``layers`` layers' parameters."""
+        return (
+            self.embed
+            + self.head_forward
+            + self.head_backward
+            + self.optimizer_ends
+            + layers * self.optimizer_layer
+        )
+
+
+@dataclass(frozen=True)
 class CommModel:
     """``latency + bytes / bandwidth`` per message (seconds, bytes per second).
 
@@ -118,8 +166,10 @@ class SimResult:
     Attributes:
         forward: critical path of the forward solve, output broadcast included.
         backward: critical path of the adjoint solve, gradient broadcast included.
-        step: ``forward + backward`` (plus the seed broadcast).
-        serial: the one-process serial step, ``N * LayerTimes.serial_step``.
+        step: ``forward + backward`` (plus the seed broadcast and the work
+            outside the stack).
+        serial: the one-process serial step, ``N * LayerTimes.serial_step`` (plus
+            the work outside the stack for ``N`` layers).
         speedup: ``serial / step``.
     """
 
@@ -201,6 +251,7 @@ def simulate(
     comm: CommModel | None = None,
     state_bytes: float = 0.0,
     forward_solver: str = "mgrit",
+    outside: OutsideTimes | None = None,
 ) -> SimResult:
     """Critical-path time of one training step on ``chunks`` ranks.
 
@@ -214,6 +265,8 @@ def simulate(
         state_bytes: bytes of one state (batch x tokens x d_model x element size).
         forward_solver: ``"mgrit"`` or ``"serial"`` (exact pipelined forward, MGRIT
             adjoint), as in :class:`~.module.LayerParallel`.
+        outside: the work outside the stack (default: none); every rank does it
+            for its ``N/P`` layers, the serial step for all ``N``.
 
     Returns:
         A :class:`SimResult`.
@@ -252,4 +305,8 @@ def simulate(
     forward += bcast
     backward = _solve_clock(layout, bwd_opts, bwd_cost, comm, state_bytes) + bcast
     step = forward + backward + comm.broadcast(8, chunks)
-    return SimResult(forward, backward, step, n_steps * times.serial_step)
+    serial_step = n_steps * times.serial_step
+    if outside is not None:
+        step += outside.step(layout.per_chunk(0))
+        serial_step += outside.step(n_steps)
+    return SimResult(forward, backward, step, serial_step)

@@ -24,8 +24,13 @@ graph). With equal stages and free messages both schedules take
 
 so the idle fraction of each rank, the *bubble*, is ``(P - 1) / (M + P - 1)``
 (:func:`bubble_fraction`); with a message cost ``c`` GPipe adds ``2 (P - 1) c``
-(:func:`gpipe_time`). The schedules differ in memory: a GPipe rank holds the
-activations of all ``M`` micro-batches at its peak, a 1F1B rank ``min(M, P - p)``.
+(:func:`gpipe_time`). The work outside the stack (:class:`~.simulate.OutsideTimes`,
+per micro-batch) goes where the pipeline runs it: the embedding into the first
+stage's forwards, the head and loss into the last stage's forwards and backwards,
+and after the schedule each rank's optimizer step over its own layers (the first and
+last ranks also over the embedding and head parameters). The schedules differ in
+memory: a GPipe rank holds the activations of all ``M`` micro-batches at its peak,
+a 1F1B rank ``min(M, P - p)``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from leantrain.layer_parallel._checks import check_float, check_int
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes
+from leantrain.layer_parallel.simulate import CommModel, LayerTimes, OutsideTimes
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -177,6 +182,8 @@ def simulate_pipeline(
     state_bytes: float = 0.0,
     layer_activation_bytes: float = 0.0,
     serial_times: LayerTimes | None = None,
+    outside: OutsideTimes | None = None,
+    serial_outside: OutsideTimes | None = None,
 ) -> PipelineResult:
     """Step time, memory and traffic of a pipeline-parallel training step.
 
@@ -193,6 +200,10 @@ def simulate_pipeline(
             micro-batch.
         serial_times: layer times of the whole batch for the serial reference
             (default: ``M`` times ``times``, i.e. time linear in the batch).
+        outside: the work outside the stack, embedding and head times of **one
+            micro-batch** (default: none).
+        serial_outside: the same for the whole batch, for the serial reference
+            (default: ``outside`` with ``M`` times its embedding and head times).
 
     Raises:
         ValueError: for an invalid layout or schedule.
@@ -215,7 +226,17 @@ def simulate_pipeline(
     fwd, bwd = per * times.forward_record, per * times.backward_params
     msg = comm.message(state_bytes) if stages > 1 else 0.0
     orders = stage_order(schedule, stages, micro_batches)
-    step, _ = critical_path(orders, [fwd] * stages, [bwd] * stages, msg)
+    fwds, bwds, optimizer = [fwd] * stages, [bwd] * stages, [0.0] * stages
+    if outside is not None:
+        fwds[0] += outside.embed
+        fwds[-1] += outside.head_forward
+        bwds[-1] += outside.head_backward
+        for p in range(stages):
+            ends = outside.optimizer_ends if p in (0, stages - 1) else 0.0
+            optimizer[p] = per * outside.optimizer_layer + ends
+    step, finish = critical_path(orders, fwds, bwds, msg)
+    # each rank steps its optimizer once its own last action is done
+    step = max(step, *(max(finish[p].values()) + optimizer[p] for p in range(stages)))
     busy = micro_batches * (fwd + bwd)
     in_flight = tuple(peak_in_flight(o) for o in orders)
     sent = [
@@ -226,6 +247,17 @@ def simulate_pipeline(
         serial = n_layers * micro_batches * times.serial_step
     else:
         serial = n_layers * serial_times.serial_step
+    if serial_outside is None and outside is not None:
+        m = micro_batches
+        serial_outside = OutsideTimes(
+            m * outside.embed,
+            m * outside.head_forward,
+            m * outside.head_backward,
+            outside.optimizer_layer,
+            outside.optimizer_ends,
+        )
+    if serial_outside is not None:
+        serial += serial_outside.step(n_layers)
     return PipelineResult(
         step=step,
         serial=serial,

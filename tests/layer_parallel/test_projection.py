@@ -14,7 +14,12 @@ from leantrain.layer_parallel.projection import (
     project,
     projection_table,
 )
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes, simulate
+from leantrain.layer_parallel.simulate import (
+    CommModel,
+    LayerTimes,
+    OutsideTimes,
+    simulate,
+)
 from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline
 
 FULL = LayerTimes(1.0, 1.5, 1.2, 2.4)
@@ -100,3 +105,28 @@ def test_table_and_plot(tmp_path):
     path = tmp_path / "p.png"
     plot_projection(cells, str(path), "free", depths=(16, 64))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_outside_work_is_charged_to_serial_mgrit_and_pipeline():
+    # hand-counted: every MGRIT rank embeds, runs the head and steps N/P layers
+    # plus the embedding and head; serial steps all N; a pipeline micro-batch of
+    # 1/M carries its own embedding / head times
+    out = {m: OutsideTimes(0.1 / m, 0.2 / m, 0.3 / m, 0.05, 0.01) for m in (1, 2)}
+    times = {1: FULL, 2: FULL}
+    s = MGRITSetting(2, 4, 1, 1)
+    (cell,) = project([64], [4], times, [s], CommModel(), 0.0, out)
+    assert cell.serial == pytest.approx(64 * FULL.serial_step + 0.61 + 64 * 0.05)
+    assert cell.mgrit == pytest.approx(
+        s.step(64, 4, FULL, CommModel(), 0.0) + 0.61 + 16 * 0.05
+    )
+    best = min(
+        simulate_pipeline(
+            64, 4, m, FULL, schedule=k, serial_times=FULL, outside=out[m]
+        ).step
+        for m in (1, 2)
+        for k in ("gpipe", "1f1b")
+        if k == "gpipe" or m >= 4
+    )
+    assert cell.pipeline == pytest.approx(best)
+    with pytest.raises(ValueError, match="keys of times_by_mb"):
+        project([64], [4], times, [s], CommModel(), 0.0, {1: out[1]})

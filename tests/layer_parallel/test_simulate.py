@@ -13,6 +13,7 @@ from leantrain.layer_parallel import ChunkLayout, solve_time
 from leantrain.layer_parallel.simulate import (
     CommModel,
     LayerTimes,
+    OutsideTimes,
     SimResult,
     simulate,
 )
@@ -117,3 +118,20 @@ def test_result_and_validation():
         CommModel(bandwidth=0.0)
     with pytest.raises(ValueError, match="latency must be finite"):
         CommModel(latency=math.nan)
+
+
+def test_outside_work_is_charged_per_rank_and_to_serial():
+    # one rank's outside work: embed + head fwd + head bwd + AdamW over the
+    # embedding/head + N/P layers' AdamW; the serial step pays it for all N layers
+    out = OutsideTimes(0.1, 0.2, 0.3, 0.05, 0.01)
+    assert out.step(16) == pytest.approx(0.61 + 16 * 0.05)
+    t = LayerTimes(1.0, 2.0, 3.0, 4.0)
+    for solver in ("mgrit", "serial"):
+        kw = dict(cf=4, fwd_iters=1, forward_solver=solver)
+        bare = simulate(64, 4, t, **kw)
+        r = simulate(64, 4, t, outside=out, **kw)
+        assert r.step == pytest.approx(bare.step + 0.61 + 16 * 0.05)
+        assert r.serial == pytest.approx(64 * 7.0 + 0.61 + 64 * 0.05)
+        assert (r.forward, r.backward) == (bare.forward, bare.backward)
+    with pytest.raises(ValueError, match="OutsideTimes.head_forward"):
+        OutsideTimes(0.0, -1.0)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes
+from leantrain.layer_parallel.simulate import CommModel, LayerTimes, OutsideTimes
 from leantrain.layer_parallel.simulate_pipeline import (
     bubble_fraction,
     critical_path,
@@ -138,3 +138,19 @@ def test_communication_model_feeds_the_messages():
 def test_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         simulate_pipeline(times=LayerTimes(1.0, 1.0), **kwargs)
+
+
+def test_outside_work_goes_where_the_pipeline_runs_it():
+    # N = 4, P = 2, M = 2, unit layer steps (F = B = 2 per stage), GPipe. Hand
+    # schedule with embedding e on stage 0's forwards, head hf / hb on stage 1's
+    # forward / backward: stage 1 ends B1 at 10 + e + 2 hf + 2 hb, stage 0 at
+    # 12 + e + 2 hf + 2 hb, then its AdamW over 2 layers + the embedding.
+    e, hf, hb, o, q = 0.1, 0.2, 0.3, 0.05, 0.01
+    out = OutsideTimes(e, hf, hb, o, q)
+    r = simulate_pipeline(4, 2, 2, LayerTimes(1.0, 1.0), schedule="gpipe", outside=out)
+    assert r.step == pytest.approx(12 + e + 2 * hf + 2 * hb + 2 * o + q)
+    # serial: the whole batch's embedding and head (M times a micro-batch's) and
+    # AdamW over all 4 layers
+    assert r.serial == pytest.approx(16 + 2 * (e + hf + hb) + q + 4 * o)
+    bare = simulate_pipeline(4, 2, 2, LayerTimes(1.0, 1.0), schedule="gpipe")
+    assert bare.step == 12.0 and bare.serial == 16.0

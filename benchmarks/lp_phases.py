@@ -1,0 +1,189 @@
+"""Where a 2-process layer-parallel training step's time goes, phase by phase,
+against what the schedule simulator charges for each phase.
+
+The GPT of ``benchmarks/depth.py`` (d_model 128, 4 heads, batch 8, 64 tokens, fp32,
+h = 1/N, AdamW 1e-3 on stdlib text) trains ``--steps`` steps per ``--lp`` setting on
+2 gloo processes x 1 thread, with :func:`leantrain.layer_parallel.phases.
+profile_phases` active; the first step is a warm-up. Between the settings both
+processes sample the layer times (:class:`~leantrain.layer_parallel.timing.
+LayerSampler`) and the work outside the stack (:class:`~leantrain.layer_parallel.
+timing.OutsideSampler`), so all of it sees the same load. For each setting and rank
+the table gives per step: the calls, exclusive wall and thread-CPU ms of each phase,
+and the ms the simulator charges for it (layer steps x the sampled layer time;
+``outside``: the sampled outside-the-stack work), then the simulated and the
+measured step.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/lp_phases.py`` (``--quick``: tiny sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from depth import _model, parse_lp  # noqa: E402
+
+from leantrain.data import TokenBatches, load_stdlib_text  # noqa: E402
+from leantrain.layer_parallel import LayerParallel  # noqa: E402
+from leantrain.layer_parallel.phases import (  # noqa: E402
+    PhaseTimer,
+    charged,
+    profile_phases,
+)
+from leantrain.layer_parallel.projection import MGRITSetting  # noqa: E402
+from leantrain.layer_parallel.simulate import CommModel  # noqa: E402
+from leantrain.layer_parallel.timing import LayerSampler, OutsideSampler, ping  # noqa: E402
+from leantrain.models import lm_loss  # noqa: E402
+
+
+def _lp_kwargs(s: MGRITSetting) -> dict:
+    kw = dict(levels=s.levels, cf=s.cf, bwd_iters=s.bwd_iters)
+    if s.fwd_iters == 0:
+        kw["forward_solver"] = "serial"
+    else:
+        kw["fwd_iters"] = s.fwd_iters
+    return kw
+
+
+def _run(args, setting: MGRITSetting, batches) -> tuple[PhaseTimer, list[float]]:
+    model = _model(args, args.depth)
+    model.stack = LayerParallel(model.stack, **_lp_kwargs(setting)).distribute()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    timer, steps = PhaseTimer(), []
+    with profile_phases(model.stack, timer):
+        for i, (x, y) in enumerate(batches):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with timer.phase("outside"):
+                opt.zero_grad(set_to_none=True)
+                lm_loss(model(x), y).backward()
+                opt.step()
+            steps.append(time.perf_counter() - t0)
+            if i == 0:
+                timer.reset()
+                steps.clear()
+    return timer, steps
+
+
+def _worker(rank: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800)
+    )
+    try:
+        text = load_stdlib_text()
+        stream = TokenBatches(
+            text.train, block_size=args.tokens, batch_size=args.batch, seed=0
+        )
+        batches = [b for _, b in zip(range(args.steps + 1), stream, strict=False)]
+        model = _model(args, 8)
+        x = torch.randn(args.batch, args.tokens, args.d)
+        samplers = [
+            LayerSampler(model.stack.steps[0], x, 1 / args.depth, clock=clock)
+            for clock in (time.perf_counter, time.thread_time)
+        ] + [
+            OutsideSampler(model, batches[0], lr=args.lr, clock=clock)
+            for clock in (time.perf_counter, time.thread_time)
+        ]
+        for sampler in samplers:
+            sampler()
+            sampler.samples.clear()
+        out = []
+        for spec in args.lp:
+            setting = parse_lp(spec)
+            timer, steps = _run(args, setting, batches)
+            dist.barrier()
+            for _ in range(args.samples):
+                for sampler in samplers:
+                    sampler()
+            step = torch.tensor([statistics.median(steps)])
+            dist.all_reduce(step, op=dist.ReduceOp.MAX)
+            got = [None, None]
+            dist.all_gather_object(
+                got, (dict(timer.wall), dict(timer.cpu), dict(timer.calls))
+            )
+            out.append((setting, step.item(), got))
+        lat = ping(1 - rank, torch.zeros(2), rank == 0, 20)
+        big = torch.zeros(1 << 20)
+        big_t = ping(1 - rank, big, rank == 0, 5)
+        comm = CommModel(lat, big.numel() * 4 / max(big_t - lat, big_t / 2))
+        if rank == 0:
+            queue.put((out, [s.times() for s in samplers], comm, os.getloadavg()))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depth", type=int, default=64)
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4, help="timed, after a warm-up")
+    parser.add_argument("--samples", type=int, default=3, help="per setting")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--lp", nargs="+", default=["2,4,1,1", "2,4,2,1", "2,4,serial,1"]
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.depth, args.d, args.heads, args.tokens, args.steps = 16, 32, 2, 16, 2
+    start = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    out, (times, cpu_times, outside, cpu_outside), comm, load = queue.get(timeout=3600)
+    for p in procs:
+        p.join()
+    n, sb = args.depth, args.batch * args.tokens * args.d * 4
+    print(
+        f"GPT N={n}, d={args.d}, batch {args.batch}, {args.tokens} tokens, 2 gloo "
+        f"processes x 1 thread; load average {load[0]:.2f} {load[1]:.2f}; layer ms "
+        f"fwd {times.forward * 1e3:.2f} / fwd+graph {times.forward_record * 1e3:.2f}"
+        f" / vjp {times.backward * 1e3:.2f} / vjp+params "
+        f"{times.backward_params * 1e3:.2f}; outside: {outside}; message "
+        f"{comm.latency * 1e6:.0f} us + {comm.bandwidth / 1e6:.0f} MB/s"
+    )
+    for setting, step, ranks in out:
+        pred = setting.step(n, 2, times, comm, sb, outside=outside)
+        bare = setting.step(n, 2, times, comm, sb)
+        print(
+            f"\n### {setting.label}: measured step {step * 1e3:.0f} ms, simulated "
+            f"{pred * 1e3:.0f} ms (pred/meas {pred / step:.2f}; without the outside "
+            f"work {bare * 1e3:.0f} ms, {bare / step:.2f})"
+        )
+        for rank, (wall, cpu, calls) in enumerate(ranks):
+            timer = PhaseTimer()
+            timer.wall.update(wall)
+            timer.cpu.update(cpu)
+            timer.calls.update(calls)
+            sim = charged(calls, times)
+            sim["outside"] = args.steps * outside.step(n // 2)
+            cpu = charged(calls, cpu_times)
+            cpu["outside"] = args.steps * cpu_outside.step(n // 2)
+            print(f"\nrank {rank}\n")
+            print(timer.table(args.steps, sim, cpu))
+    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
