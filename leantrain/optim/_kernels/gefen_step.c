@@ -271,7 +271,11 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       int64_t t = 0;
       if (io->code_sr) lt_sr8_prepare(q, &w->sr8);
 #ifdef __AVX512F__
-      if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
+      if (io->code_sr && q->sr_steps <= 1 && q->nuniq == q->ncodes)
+        t = lt_quant8_sr_update_avx512(q, w->m, amax, l, p, ve, denom, h,
+                                       (uint64_t)(io->index0 + s + a), io->code_key,
+                                       codes + s + a);
+      else if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
         t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h,
                                     io->code_sr ? &w->sr8 : 0,
                                     (uint64_t)(io->index0 + s + a), io->code_key,
