@@ -264,7 +264,7 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       lt_factor_tile(fac, s + a, l, w->vt);
       ve = w->vt;
     }
-    int updated = 0; /* the 8-bit loops update the parameter as they go */
+    int updated = 0; /* the code loops may update the parameter as they go */
     if (!bits) {
       memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
     } else if (amax > 0.0f && bits == 8) {
@@ -294,11 +294,21 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       }
       updated = 1;
     } else { /* 4-bit codes, or a block whose momentum is all zero (or NaN) */
-      if (amax > 0.0f && bits == 4 && io->code_sr)
-        lt_lookup16_sr(q, w->m, amax, l, (uint64_t)(io->index0 + s + a), io->code_key,
-                       w->code);
+      int64_t t = 0; /* amax > 0 here means 4-bit codes */
+#ifdef __AVX512F__
+      if (amax > 0.0f) { /* the lookup and the update in one loop, then the tail */
+        t = lt_quant4_update_avx512(q, w->m, amax, l, p, ve, denom, h, io->code_sr,
+                                    (uint64_t)(io->index0 + s + a), io->code_key,
+                                    w->code);
+        lt_update(p + t, w->m + t, ve ? ve + t : 0, denom, h, l - t);
+        updated = 1;
+      }
+#endif
+      if (amax > 0.0f && io->code_sr)
+        lt_lookup16_sr(q, w->m + t, amax, l - t, (uint64_t)(io->index0 + s + a + t),
+                       io->code_key, w->code + t);
       else if (amax > 0.0f)
-        lt_lookup16(q, w->m, amax, l, w->code);
+        lt_lookup16(q, w->m + t, amax, l - t, w->code + t);
       else
         memset(w->code, q->first[zero], (size_t)l);
       if (bits == 8 || !packed)
