@@ -188,20 +188,38 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
   return k;
 }
 
+/* The lower end i(x) = #{j >= 1 : x >= u_j} of the interval of x = m / amax on 16
+   lanes, from the cell's sr_entry (count << 32 | threshold bits, _quant_table.py):
+   count + (x > threshold). */
+static inline __m512i lt_interval16(const long long *entry, __m512 x, __m512 half,
+                                    __m512 top, __m512i even, __m512i odd) {
+  const __m512i cell = lt_cell16(x, half, top);
+  const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(cell), entry, 8);
+  const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(cell, 1), entry, 8);
+  const __m512 thr = _mm512_castsi512_ps(_mm512_permutex2var_epi32(e0, even, e1));
+  const __m512i i = _mm512_permutex2var_epi32(e0, odd, e1);
+  return _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(x, thr, _CMP_GT_OQ), i,
+                               _mm512_set1_epi32(1));
+}
+
 /* Pass 2 with stochastic codes for a learned 8-bit codebook whose lookup cells
    hold at most one value each (q->sr_steps <= 1): the same codes as
    lt_quant8_update_avx512 with lt_sr8_round16, in two 8-byte loads per element
    instead of one and three 4-byte ones (gathers bound that loop). The interval's
    lower end is i(x) = #{j >= 1 : x >= u_j} (what lt_sr8_round16 derives from the
-   nearest code: see gefen_sr.h), read from the cell's sr_entry as
-   count + (x > threshold) (_quant_table.py); then one load of the pair
-   (u_i, u_{i+1}) at upad + i gives u_i and d_i = u_{i+1} - u_i, the table's own
-   subtraction. The random test, r and the mask i < last are lt_sr8_round16's. */
+   nearest code: see gefen_sr.h), read from the cell's sr_entry (lt_interval16);
+   then one load of the pair (u_i, u_{i+1}) at upad + i gives u_i and
+   d_i = u_{i+1} - u_i, the table's own subtraction. The random test, r and the
+   mask i < last are lt_sr8_round16's. The two loads depend on each other, so the
+   loop computes i one vector ahead (software pipelining): the next vector's first
+   load is issued before this one's second, instead of the core waiting on each
+   chain in turn. Returns the number of elements done. */
 static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *restrict m,
                                           float amax, int64_t len, float *restrict p,
                                           const float *restrict vel, float denom_block,
                                           const lt_hyper *h, uint64_t i0, uint64_t key,
                                           uint8_t *restrict code) {
+  if (len < 16) return 0;
   const __m512 v_amax = _mm512_set1_ps(amax);
   const __m512 half = _mm512_set1_ps(0.5f * (float)q->ncell);
   const __m512 top = _mm512_set1_ps((float)(q->ncell - 1));
@@ -211,18 +229,18 @@ static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *re
   const __m512i inc = _mm512_set1_epi32(1), last = _mm512_set1_epi32(q->nuniq - 1);
   const lt_update_consts uc = lt_update_setup(h, denom_block);
   const long long *entry = (const long long *)q->sr_entry;
+  __m512 x = _mm512_div_ps(_mm512_loadu_ps(m), v_amax);
+  __m512i i = lt_interval16(entry, x, half, top, even, odd);
   int64_t k = 0;
   for (; k + 16 <= len; k += 16) {
     _mm_prefetch((const char *)(p + k + LT_AHEAD), _MM_HINT_T0);
+    __m512 x_next = x;
+    __m512i i_next = i;
+    if (k + 32 <= len) { /* the next vector's interval, one step ahead */
+      x_next = _mm512_div_ps(_mm512_loadu_ps(m + k + 16), v_amax);
+      i_next = lt_interval16(entry, x_next, half, top, even, odd);
+    }
     const __m512 r = lt_code_uniform16(i0 + (uint64_t)k, key);
-    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), v_amax);
-    const __m512i cell = lt_cell16(x, half, top);
-    const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(cell), entry, 8);
-    const __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(cell, 1), entry, 8);
-    /* sr_entry = count << 32 | threshold bits */
-    const __m512 thr = _mm512_castsi512_ps(_mm512_permutex2var_epi32(e0, even, e1));
-    __m512i i = _mm512_permutex2var_epi32(e0, odd, e1);
-    i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(x, thr, _CMP_GT_OQ), i, inc);
     /* (u_i, u_{i+1}) pairs: 8 bytes at upad + 4 i (i <= last: the +inf pad) */
     const __m512i u0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(i), q->upad, 4);
     const __m512i u1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(i, 1), q->upad, 4);
@@ -232,12 +250,14 @@ static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *re
     const __mmask16 up =
         _mm512_cmp_epi32_mask(i, last, _MM_CMPINT_LT) &
         _mm512_cmp_ps_mask(_mm512_sub_ps(x, ui), _mm512_mul_ps(r, di), _CMP_GT_OQ);
-    i = _mm512_mask_add_epi32(i, up, i, inc);
-    _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(i));
+    _mm_storeu_si128((__m128i *)(code + k),
+                     _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(i, up, i, inc)));
     lt_update16(&uc, p + k, m + k, vel ? vel + k : 0);
+    x = x_next, i = i_next;
   }
   return k;
 }
+
 /* Pass 2 for 4-bit codes over the first multiple of 16 of [0, len): the AVX-512
    loop of lt_lookup16 (nearest) or, with `sr`, of lt_lookup16_sr (the same tables,
    compares and random test), codes one per byte into code (the caller packs
