@@ -158,7 +158,8 @@ static inline __m512i lt_cell16(__m512 x, __m512 half, __m512 top) {
 static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restrict m,
                                        float amax, int64_t len, float *restrict p,
                                        const float *restrict vel, float denom_block,
-                                       const lt_hyper *h, const lt_sr8_table *sr,
+                                       const lt_hyper *h, const float *ahead,
+                                       const lt_sr8_table *sr,
                                        uint64_t i0, uint64_t key, uint8_t *restrict code) {
   const __m512 v_amax = _mm512_set1_ps(amax);
   const __m512 half = _mm512_set1_ps(0.5f * (float)q->ncell);
@@ -172,6 +173,8 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
   int64_t k = 0;
   for (; k + 16 <= len; k += 16) {
     _mm_prefetch((const char *)(p + k + LT_AHEAD), _MM_HINT_T0);
+    if (ahead) /* the next block's gradient, for its pass 1 (see lt_block) */
+      _mm_prefetch((const char *)(ahead + k), _MM_HINT_T1);
     const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), v_amax);
     const __m512i cell = lt_cell16(x, half, top);
     const __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(cell), entry, 8);
@@ -217,8 +220,8 @@ static inline __m512i lt_interval16(const long long *entry, __m512 x, __m512 hal
 static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *restrict m,
                                           float amax, int64_t len, float *restrict p,
                                           const float *restrict vel, float denom_block,
-                                          const lt_hyper *h, uint64_t i0, uint64_t key,
-                                          uint8_t *restrict code) {
+                                          const lt_hyper *h, const float *ahead, uint64_t i0,
+                                          uint64_t key, uint8_t *restrict code) {
   if (len < 16) return 0;
   const __m512 v_amax = _mm512_set1_ps(amax);
   const __m512 half = _mm512_set1_ps(0.5f * (float)q->ncell);
@@ -234,6 +237,8 @@ static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *re
   int64_t k = 0;
   for (; k + 16 <= len; k += 16) {
     _mm_prefetch((const char *)(p + k + LT_AHEAD), _MM_HINT_T0);
+    if (ahead) /* the next block's gradient, for its pass 1 (see lt_block) */
+      _mm_prefetch((const char *)(ahead + k), _MM_HINT_T1);
     __m512 x_next = x;
     __m512i i_next = i;
     if (k + 32 <= len) { /* the next vector's interval, one step ahead */
@@ -269,7 +274,7 @@ static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *re
 static int64_t lt_quant4_update_avx512(const lt_quantizer *q, const float *restrict m,
                                        float amax, int64_t len, float *restrict p,
                                        const float *restrict vel, float denom_block,
-                                       const lt_hyper *h, int sr, uint64_t i0,
+                                       const lt_hyper *h, const float *ahead, int sr, uint64_t i0,
                                        uint64_t key, uint8_t *restrict code) {
   float mid[16], u[16], d[16];
   int32_t first[16];
@@ -286,6 +291,8 @@ static int64_t lt_quant4_update_avx512(const lt_quantizer *q, const float *restr
   int64_t k = 0;
   for (; k + 16 <= len; k += 16) {
     _mm_prefetch((const char *)(p + k + LT_AHEAD), _MM_HINT_T0);
+    if (ahead) /* the next block's gradient, for its pass 1 (see lt_block) */
+      _mm_prefetch((const char *)(ahead + k), _MM_HINT_T1);
     const __m512 x = _mm512_div_ps(_mm512_loadu_ps(m + k), am);
     /* The counts #{j >= 1 : x >= u_j} and #{j : x > mid_j} of the scalar loops,
        by a binary search over the ascending tables (+inf past the last value,

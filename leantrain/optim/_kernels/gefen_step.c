@@ -206,13 +206,14 @@ static void lt_update(float *restrict p, const float *restrict m,
   }
 }
 
-/* One block [s, s + len): both passes (fac: a factored state's factors, else 0). */
+/* One block [s, s + len): both passes (fac: a factored state's factors, else 0;
+   next_mine: this thread does the next block [s + len, ...) next). */
 static void lt_block(void *param, const void *grad, float *restrict v,
                      float *restrict absmax, uint8_t *restrict codes,
                      float *restrict exp_avg, int64_t n, int64_t b, int64_t s,
                      int64_t len, int per_element_v, int bits, const lt_quantizer *q,
                      const lt_hyper *h, const lt_io *io, int64_t chunk, int32_t zero,
-                     const lt_factors *fac, lt_scratch *w) {
+                     const lt_factors *fac, int next_mine, lt_scratch *w) {
   const float *cb = bits ? q->codebook : 0;
   const float amax_old = bits ? absmax[b] : 0.0f;
   const int packed = bits == 4 && io->packed;
@@ -265,6 +266,15 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       ve = w->vt;
     }
     int updated = 0; /* the code loops may update the parameter as they go */
+#ifdef __AVX512F__
+    /* The same elements of the next block's fp32 gradient, when this thread does
+       that block next: pass 2 (compute-bound) prefetches them into L2 for that
+       block's pass 1, which otherwise waits on memory for them (the 8-bit and
+       4-bit default steps on a 29 M stack, 1 thread: 59 -> 55 and 59 -> 49 ms). */
+    const float *ahead = next_mine && !io->grad_bf16 && s + len + a + l <= n
+                             ? (const float *)grad + s + len + a
+                             : 0;
+#endif
     if (!bits) {
       memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
     } else if (amax > 0.0f && bits == 8) {
@@ -272,11 +282,11 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       if (io->code_sr) lt_sr8_prepare(q, &w->sr8);
 #ifdef __AVX512F__
       if (io->code_sr && q->sr_steps <= 1 && q->nuniq == q->ncodes)
-        t = lt_quant8_sr_update_avx512(q, w->m, amax, l, p, ve, denom, h,
+        t = lt_quant8_sr_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead,
                                        (uint64_t)(io->index0 + s + a), io->code_key,
                                        codes + s + a);
       else if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
-        t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h,
+        t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead,
                                     io->code_sr ? &w->sr8 : 0,
                                     (uint64_t)(io->index0 + s + a), io->code_key,
                                     codes + s + a);
@@ -297,7 +307,7 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       int64_t t = 0; /* amax > 0 here means 4-bit codes */
 #ifdef __AVX512F__
       if (amax > 0.0f) { /* the lookup and the update in one loop, then the tail */
-        t = lt_quant4_update_avx512(q, w->m, amax, l, p, ve, denom, h, io->code_sr,
+        t = lt_quant4_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead, io->code_sr,
                                     (uint64_t)(io->index0 + s + a), io->code_key,
                                     w->code);
         lt_update(p + t, w->m + t, ve ? ve + t : 0, denom, h, l - t);
@@ -421,7 +431,8 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
         const int64_t len = s + j->block <= j->n ? j->block : j->n - s;
         lt_block(j->param, j->grad, j->v, j->absmax, j->codes, j->exp_avg, j->n, b, s,
                  len, j->period == 1 && j->rows == 0, j->bits, j->q, j->h, j->io,
-                 pl->chunk, pl->zero, j->rows > 0 ? &fac : 0, &w);
+                 pl->chunk, pl->zero, j->rows > 0 ? &fac : 0, nt == 1 || b + 1 < b_end,
+                 &w);
       }
     }
   }
