@@ -59,10 +59,14 @@ class _Quantizer(ctypes.Structure):
         ("first", ctypes.c_void_p),
         ("lut", ctypes.c_void_p),
         ("entry", ctypes.c_void_p),
+        ("sr_entry", ctypes.c_void_p),
+        ("upad", ctypes.c_void_p),
         ("ncodes", ctypes.c_int32),
         ("nuniq", ctypes.c_int32),
         ("ncell", ctypes.c_int32),
         ("steps", ctypes.c_int32),
+        ("sr_steps", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
     ]
 
 
@@ -135,10 +139,14 @@ def _quantizer(table: QuantTable) -> _Quantizer:
         table.first.data_ptr(),
         table.lut.data_ptr(),
         table.entry.data_ptr(),
+        table.sr_entry.data_ptr(),
+        table.upad.data_ptr(),
         table.codebook.numel(),
         table.uniq.numel(),
         table.lut.numel(),
         table.steps,
+        table.sr_steps,
+        0,
     )
     if len(_quantizers) >= 16:  # tables are per codebook: one or two in practice
         _quantizers.clear()

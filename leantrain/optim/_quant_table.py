@@ -18,6 +18,14 @@ comparisons it takes depends on the grid: a learned codebook has distinct values
 at least one histogram bin (2/4096) apart, hence midpoints too, so with 16384
 cells a cell holds at most one midpoint (one neighbour comparison) and only about
 U/16384 of the cells hold any (1.6% for 8-bit), so most elements need none.
+
+Stochastic 8-bit codes (:mod:`.code_rounding`) need the lower end i of x's
+interval, :math:`i(x) = \#\{j \ge 1 : x \ge u_j\}`, instead. The same cells give it
+in one load: ``sr_entry[c]`` holds the number of values :math:`u_j` (j >= 1) in
+cells below c and, where cell c holds one such value u, the fp32 number just
+below u (so :math:`x \ge u \iff x >` it for fp32 x; +inf where the cell holds
+none): i(x) = count + (x > threshold). ``upad`` (the values, then +inf) lets the
+kernel load :math:`u_i` and :math:`u_{i+1}` as one 8-byte pair.
 """
 
 from __future__ import annotations
@@ -46,6 +54,12 @@ class QuantTable:
         entry: int64 [ncell], the C kernel's one-load form of ``lut`` for
             ``steps <= 1``: high 32 bits the count j of midpoints in lower cells,
             low 32 bits the fp32 bits of ``mid[j]`` (so k(x) = j + (x > mid[j])).
+        sr_entry: int64 [ncell], the stochastic 8-bit rule's form for
+            ``sr_steps <= 1``: high 32 bits the count of values u_j (j >= 1) in lower
+            cells, low 32 bits the fp32 bits of the number just below the cell's own
+            such value, or of +inf (so i(x) = count + (x > threshold)).
+        sr_steps: the most values u_j (j >= 1) any one cell holds.
+        upad: fp32 [U + 1], ``uniq`` then +inf (pairs u_i, u_{i+1} for any i < U).
     """
 
     codebook: Tensor
@@ -55,6 +69,9 @@ class QuantTable:
     lut: Tensor
     steps: int
     entry: Tensor
+    sr_entry: Tensor
+    sr_steps: int
+    upad: Tensor
 
 
 def cell_index(y: Tensor, ncell: int) -> Tensor:
@@ -105,6 +122,8 @@ def build_table(codebook: Tensor) -> QuantTable:
     mid_bits = mid[lut].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     entry = (lut.to(torch.int64) << 32) | mid_bits
     lut = torch.where(per_cell > 0, ~lut, lut)
+    sr_entry, sr_steps = _interval_entry(uniq)
+    inf = torch.tensor([float("inf")], dtype=torch.float32)
     return QuantTable(
         codebook=cb,
         uniq=uniq.contiguous(),
@@ -113,7 +132,28 @@ def build_table(codebook: Tensor) -> QuantTable:
         lut=lut.to(torch.int16).contiguous(),
         steps=int(per_cell.max()) if mids.numel() else 0,
         entry=entry.contiguous(),
+        sr_entry=sr_entry,
+        sr_steps=sr_steps,
+        upad=torch.cat([uniq, inf]).contiguous(),
     )
+
+
+def _interval_entry(uniq: Tensor) -> tuple[Tensor, int]:
+    """``sr_entry`` and ``sr_steps`` of :class:`QuantTable` (see the module doc)."""
+    upper = uniq[1:]  # the values that count in i(x) = #{j >= 1 : x >= u_j}
+    cells = cell_index(upper, CELLS)  # non-decreasing: upper is ascending
+    below = torch.searchsorted(cells, torch.arange(CELLS), side="left")
+    per_cell = torch.bincount(cells, minlength=CELLS)
+    # where the cell holds a value u (the first, if several: sr_steps says so), the
+    # largest fp32 number below it; else +inf, which no x exceeds (NaN neither)
+    own = upper[below.clamp(max=max(upper.numel() - 1, 0))] if upper.numel() else None
+    thr = torch.full((CELLS,), float("inf"), dtype=torch.float32)
+    if own is not None:
+        below_own = torch.nextafter(own, torch.tensor(-float("inf")))
+        thr = torch.where(per_cell > 0, below_own, thr)
+    bits = thr.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    sr_steps = int(per_cell.max()) if upper.numel() else 0
+    return ((below.to(torch.int64) << 32) | bits).contiguous(), sr_steps
 
 
 # id(codebook) -> (weak reference, version, table); the codebook is one tensor shared

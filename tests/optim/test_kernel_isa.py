@@ -91,3 +91,70 @@ def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
         assert torch.equal(p_w, p_n), (rows, cols, bits)
         for key in state:
             assert torch.equal(s_w[key], s_n[key]), (rows, cols, bits, key)
+
+
+@pytest.mark.skipif(not _cpu_has("avx512f"), reason="the AVX-512 path needs AVX-512F")
+def test_avx512_stochastic_eight_bit_codes_give_the_scalar_paths_bits(
+    tmp_path, monkeypatch
+):
+    """Stochastic 8-bit codes on a learned codebook (gefen_avx512.h's interval-table
+    pass) against the build without AVX-512 (the nearest lookup, then
+    lt_sr8_tile): every bit equal, with block, per-element and factored second
+    moments, tails shorter than a vector, element indices crossing 2**32."""
+    if _native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    if _native.load() is None:
+        pytest.skip(f"native kernel unavailable: {_native.status()}")
+    wide = _native.load()
+    monkeypatch.setenv("LEANTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(_native, "FLAGS", _native.FLAGS + ("-mno-avx512f",))
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_library", None)
+    narrow = _native.load()
+    assert narrow is not None and narrow is not wide, _native.status()
+    cb8 = spaced_codebook(8)
+    assert _quant_table.build_table(cb8).sr_steps <= 1  # the interval-table case
+    h = _fused.hyperparameters(5.0, **HYPER)
+    # (rows, cols, period, threads); rows 0: a flat state with blocks
+    for rows, cols, period, threads in [
+        (0, 4099, 61, 1),
+        (0, 4099, 1, 2),
+        (0, 40000, 5000, 2),
+        (61, 67, 61, 1),
+        (300, 70, 5000, 2),
+    ]:
+        n = max(rows, 1) * cols
+        g = torch.Generator().manual_seed(n + period)
+        if rows:
+            shape = factor_shape((rows, cols))
+            state = new_state(torch.zeros(n), period, 8, cb8, shape)
+        else:
+            state = random_state(n, period, 8, seed=n + period)
+            state["codebook"] = cb8
+        grad = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+        grad[::97] = 0.0
+        param = torch.randn(n, generator=g)
+        results = []
+        for lib in (wide, narrow):
+            monkeypatch.setattr(_native, "_library", lib)
+            s, p = copy_state(state), param.clone()
+            for _ in range(3):  # later steps read codes the kernel wrote
+                cbar = None
+                if rows:
+                    s["step"] += 1
+                    cbar = _fused.advance_factors(grad, s, 0.99)
+                _fused.c_step(
+                    p,
+                    grad,
+                    s,
+                    h,
+                    threads=threads,
+                    code_key=77,
+                    index0=2**32 - 7,
+                    cbar=cbar,
+                )
+            results.append((p, s))
+        (p_w, s_w), (p_n, s_n) = results
+        assert torch.equal(p_w, p_n), (rows, cols, period)
+        for key in state:
+            assert torch.equal(s_w[key], s_n[key]), (rows, cols, period, key)

@@ -106,6 +106,35 @@ def test_kernel_entry_table_is_exact_on_learned_codebooks():
         assert torch.equal(table.first.long()[j], nearest_reference(u, cb))
 
 
+def test_stochastic_interval_table_is_exact_on_learned_codebooks():
+    """The AVX-512 kernel's interval table for stochastic 8-bit codes (count << 32
+    | bits of the number below the cell's own value) gives the lower end
+    #{j >= 1 : x >= u_j} of x's interval with one comparison, and upad pairs each
+    value with the next."""
+    from leantrain.optim._quant_table import build_table, cell_index
+
+    torch.manual_seed(1)
+    g = torch.randn(64, 512) * torch.rand(64, 1)
+    for k in (16, 256):
+        cb = learn_codebook(histogram(g, 512), k)
+        table = build_table(cb)
+        assert table.sr_steps == 1 and table.sr_entry.dtype == torch.int64
+        u = table.uniq
+        x = torch.cat(
+            [
+                probe_values(cb, k).clamp(-1, 1),
+                torch.nextafter(u, torch.tensor(-2.0)),
+                torch.nextafter(u, torch.tensor(2.0)),
+                torch.tensor([float("nan")]),
+            ]
+        )
+        e = table.sr_entry[cell_index(x, table.sr_entry.numel())]
+        thr = (e & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+        i = (e >> 32) + (x > thr).long()
+        assert torch.equal(i, (x[:, None] >= u[None, 1:]).sum(1))
+        assert torch.equal(table.upad[:-1], u) and table.upad[-1] == float("inf")
+
+
 def test_nearest_code_exact_ties_go_low():
     cb = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0])
     u = torch.tensor([-0.75, -0.25, 0.25, 0.75, 0.2500001, 1.5, -1.5])

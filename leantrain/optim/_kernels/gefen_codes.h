@@ -49,10 +49,14 @@ typedef struct {
   const uint8_t *first;  /* [nuniq] lowest code holding the k-th distinct value */
   const int16_t *lut;    /* [ncell] midpoints in lower cells (~count: cell has some) */
   const uint64_t *entry; /* [ncell] j = that count << 32 | fp32 bits of mid[j] */
+  const uint64_t *sr_entry; /* [ncell] stochastic codes' interval table (gefen_sr.h) */
+  const float *upad;     /* [nuniq + 1] distinct values, then +inf */
   int32_t ncodes;        /* 2**bits */
   int32_t nuniq;
   int32_t ncell;
   int32_t steps;         /* the most midpoints any one cell holds */
+  int32_t sr_steps;      /* the most values u_j (j >= 1) any one cell holds */
+  int32_t unused;
 } lt_quantizer;
 
 #ifdef __AVX2__

@@ -24,6 +24,9 @@
 #define LT_GEFEN_PREPASS_H
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define LT_FINITE_PIECE 65536 /* elements per finite-check task */
 #define LT_COLUMN_PIECE 4096  /* columns per column-sum task */
@@ -42,11 +45,58 @@ static int64_t lt_factor_chunks(int64_t rows, int64_t cols) {
 /* Does this job's prepass sum its factors? (else, with `check`, test its bits) */
 static int lt_sums_factors(const lt_job *j) { return j->rows > 0 && !j->advanced; }
 
+#ifdef __AVX512F__
+/* R <= 4 consecutive fp32 rows x of the chunk below at once: R read streams in one
+   loop (one stream per loop left this pass waiting on memory: 16 -> 9 ms over 117
+   MB here, 1 thread) and one load and store of part per R rows. The same sums, in
+   the same order, as the `omp simd` loop of lt_factor_chunk compiles to with gcc
+   on x86-64 (8 double lanes): part[c] gets the rows in order; a row's sum keeps
+   element c in lane c mod 8 below the last multiple of 8, the rest added into lane
+   0 in order, and the lanes are added 0..7 onto 0.0. */
+static inline void lt_factor_rows_avx512(const float *restrict x, int64_t cols, int R,
+                                         double *restrict part, double *restrict rsum) {
+  __m512d acc[4];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_pd();
+  int64_t c = 0;
+  for (; c + 8 <= cols; c += 8) {
+    __m512d p = _mm512_loadu_pd(part + c);
+    for (int r = 0; r < R; r++) {
+      const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + r * cols + c));
+      const __m512d sq = _mm512_mul_pd(v, v);
+      p = _mm512_add_pd(p, sq);
+      acc[r] = _mm512_add_pd(acc[r], sq);
+    }
+    _mm512_storeu_pd(part + c, p);
+  }
+  for (int r = 0; r < R; r++) {
+    double lane[8];
+    _mm512_storeu_pd(lane, acc[r]);
+    for (int64_t t = c; t < cols; t++) {
+      const double v = (double)x[r * cols + t], sq = v * v;
+      part[t] += sq;
+      lane[0] += sq;
+    }
+    double s = 0.0;
+    for (int l = 0; l < 8; l++) s += lane[l];
+    rsum[r] = s;
+  }
+}
+#endif
+
 /* Rows [r0, r1) of a factored gradient: row sums of g^2 into rsum, column partial
    sums into part (cols doubles, zeroed here). */
 static void lt_factor_chunk(const void *grad, int bf16, int64_t cols, int64_t r0,
                             int64_t r1, double *restrict rsum, double *restrict part) {
   for (int64_t c = 0; c < cols; c++) part[c] = 0.0;
+#ifdef __AVX512F__
+  if (!bf16) {
+    const float *g = (const float *)grad;
+    int64_t i = r0;
+    for (; i + 4 <= r1; i += 4) lt_factor_rows_avx512(g + i * cols, cols, 4, part, rsum + i);
+    for (; i < r1; i++) lt_factor_rows_avx512(g + i * cols, cols, 1, part, rsum + i);
+    return;
+  }
+#endif
   for (int64_t i = r0; i < r1; i++) {
     double s = 0.0;
     if (!bf16) {

@@ -145,7 +145,9 @@ static void lt_lookup16_sr(const lt_quantizer *q, const float *restrict m, float
 
 /* 8-bit codes rounded stochastically, by the same rule, after the nearest-code
    lookup: the nearest value u_j is an end of x's interval, so the interval's lower
-   end is i = j - [x < u_j] (no search), then the same random test. The tables:
+   end is i = j - [x < u_j] (no search), then the same random test. (With AVX-512
+   and a learned codebook, lt_quant8_sr_update_avx512 reads i from a cell table
+   instead: fewer table loads, the same i.) The tables:
    the distinct values u, their gaps d = fl(u_{j+1} - u_j) and each code's value
    index, built once per quantizer and thread. */
 typedef struct {

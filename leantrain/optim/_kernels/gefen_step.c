@@ -206,13 +206,14 @@ static void lt_update(float *restrict p, const float *restrict m,
   }
 }
 
-/* One block [s, s + len): both passes (fac: a factored state's factors, else 0). */
+/* One block [s, s + len): both passes (fac: a factored state's factors, else 0;
+   next_mine: this thread does the next block [s + len, ...) next). */
 static void lt_block(void *param, const void *grad, float *restrict v,
                      float *restrict absmax, uint8_t *restrict codes,
                      float *restrict exp_avg, int64_t n, int64_t b, int64_t s,
                      int64_t len, int per_element_v, int bits, const lt_quantizer *q,
                      const lt_hyper *h, const lt_io *io, int64_t chunk, int32_t zero,
-                     const lt_factors *fac, lt_scratch *w) {
+                     const lt_factors *fac, int next_mine, lt_scratch *w) {
   const float *cb = bits ? q->codebook : 0;
   const float amax_old = bits ? absmax[b] : 0.0f;
   const int packed = bits == 4 && io->packed;
@@ -264,15 +265,28 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       lt_factor_tile(fac, s + a, l, w->vt);
       ve = w->vt;
     }
-    int updated = 0; /* the 8-bit loops update the parameter as they go */
+    int updated = 0; /* the code loops may update the parameter as they go */
+#ifdef __AVX512F__
+    /* The same elements of the next block's fp32 gradient, when this thread does
+       that block next: pass 2 (compute-bound) prefetches them into L2 for that
+       block's pass 1, which otherwise waits on memory for them (the 8-bit and
+       4-bit default steps on a 29 M stack, 1 thread: 59 -> 55 and 59 -> 49 ms). */
+    const float *ahead = next_mine && !io->grad_bf16 && s + len + a + l <= n
+                             ? (const float *)grad + s + len + a
+                             : 0;
+#endif
     if (!bits) {
       memcpy(exp_avg + s + a, w->m, (size_t)l * sizeof(float));
     } else if (amax > 0.0f && bits == 8) {
       int64_t t = 0;
       if (io->code_sr) lt_sr8_prepare(q, &w->sr8);
 #ifdef __AVX512F__
-      if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
-        t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h,
+      if (io->code_sr && q->sr_steps <= 1 && q->nuniq == q->ncodes)
+        t = lt_quant8_sr_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead,
+                                       (uint64_t)(io->index0 + s + a), io->code_key,
+                                       codes + s + a);
+      else if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
+        t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead,
                                     io->code_sr ? &w->sr8 : 0,
                                     (uint64_t)(io->index0 + s + a), io->code_key,
                                     codes + s + a);
@@ -290,11 +304,21 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       }
       updated = 1;
     } else { /* 4-bit codes, or a block whose momentum is all zero (or NaN) */
-      if (amax > 0.0f && bits == 4 && io->code_sr)
-        lt_lookup16_sr(q, w->m, amax, l, (uint64_t)(io->index0 + s + a), io->code_key,
-                       w->code);
+      int64_t t = 0; /* amax > 0 here means 4-bit codes */
+#ifdef __AVX512F__
+      if (amax > 0.0f) { /* the lookup and the update in one loop, then the tail */
+        t = lt_quant4_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead, io->code_sr,
+                                    (uint64_t)(io->index0 + s + a), io->code_key,
+                                    w->code);
+        lt_update(p + t, w->m + t, ve ? ve + t : 0, denom, h, l - t);
+        updated = 1;
+      }
+#endif
+      if (amax > 0.0f && io->code_sr)
+        lt_lookup16_sr(q, w->m + t, amax, l - t, (uint64_t)(io->index0 + s + a + t),
+                       io->code_key, w->code + t);
       else if (amax > 0.0f)
-        lt_lookup16(q, w->m, amax, l, w->code);
+        lt_lookup16(q, w->m + t, amax, l - t, w->code + t);
       else
         memset(w->code, q->first[zero], (size_t)l);
       if (bits == 8 || !packed)
@@ -407,7 +431,8 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
         const int64_t len = s + j->block <= j->n ? j->block : j->n - s;
         lt_block(j->param, j->grad, j->v, j->absmax, j->codes, j->exp_avg, j->n, b, s,
                  len, j->period == 1 && j->rows == 0, j->bits, j->q, j->h, j->io,
-                 pl->chunk, pl->zero, j->rows > 0 ? &fac : 0, &w);
+                 pl->chunk, pl->zero, j->rows > 0 ? &fac : 0, nt == 1 || b + 1 < b_end,
+                 &w);
       }
     }
   }
