@@ -57,6 +57,38 @@ static inline __m512 lt_code_uniform16(uint64_t base, uint64_t key) {
 }
 #endif
 
+#ifdef __AVX2__
+/* The uniforms of 8 consecutive elements (global indices base .. base + 7), bit for
+   bit lt_code_bits' * 2^-24: the 2-round hash in 32-bit lanes, the carry of the low
+   word into the high word where base + lane wraps. */
+static inline __m256 lt_code_uniform8(uint64_t base, uint64_t key) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+  const __m256i c1 = _mm256_set1_epi32((int)0x85ebca6bu);
+  const __m256i c2 = _mm256_set1_epi32((int)0xc2b2ae35u);
+  const __m256i b_lo = _mm256_set1_epi32((int)(uint32_t)base);
+  const __m256i lo = _mm256_add_epi32(b_lo, lane);
+  /* carry into the high word where lo wrapped: lo < b_lo unsigned (compare with the
+     sign bits flipped); a true compare is -1, so subtract it */
+  const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(b_lo, sign),
+                                           _mm256_xor_si256(lo, sign));
+  const __m256i hi = _mm256_sub_epi32(_mm256_set1_epi32((int)(uint32_t)(base >> 32)), carry);
+  __m256i h = _mm256_xor_si256(lo, _mm256_set1_epi32((int)(uint32_t)key));
+  for (int round = 0; round < 2; round++) {
+    if (round)
+      h = _mm256_xor_si256(_mm256_xor_si256(h, hi),
+                           _mm256_set1_epi32((int)(uint32_t)(key >> 32)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, c1);
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+    h = _mm256_mullo_epi32(h, c2);
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  }
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)),
+                       _mm256_set1_ps(0x1p-24f));
+}
+#endif
+
 static void lt_lookup16_sr(const lt_quantizer *q, const float *restrict m, float amax,
                            int64_t len, uint64_t i0, uint64_t key,
                            uint8_t *restrict code) {
@@ -90,35 +122,13 @@ static void lt_lookup16_sr(const lt_quantizer *q, const float *restrict m, float
 #endif
 #ifdef __AVX2__
   {
-    const uint32_t k_lo = (uint32_t)key, k_hi = (uint32_t)(key >> 32);
-    const __m256 am = _mm256_set1_ps(amax), scale = _mm256_set1_ps(0x1p-24f);
+    const __m256 am = _mm256_set1_ps(amax);
     const __m256 u_lo = _mm256_loadu_ps(u), u_hi = _mm256_loadu_ps(u + 8);
     const __m256 d_lo = _mm256_loadu_ps(d), d_hi = _mm256_loadu_ps(d + 8);
     const __m256 f_lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)first));
     const __m256 f_hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(first + 8)));
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-    const __m256i c1 = _mm256_set1_epi32((int)0x85ebca6bu);
-    const __m256i c2 = _mm256_set1_epi32((int)0xc2b2ae35u);
     for (; k + 8 <= len; k += 8) {
-      const uint64_t base = i0 + (uint64_t)k;
-      const __m256i b_lo = _mm256_set1_epi32((int)(uint32_t)base);
-      const __m256i lo = _mm256_add_epi32(b_lo, lane);
-      /* carry into the high word where lo wrapped: lo < b_lo unsigned (compare with
-         the sign bits flipped); a true compare is -1, so subtract it */
-      const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(b_lo, sign),
-                                               _mm256_xor_si256(lo, sign));
-      const __m256i hi = _mm256_sub_epi32(_mm256_set1_epi32((int)(uint32_t)(base >> 32)), carry);
-      __m256i h = _mm256_xor_si256(lo, _mm256_set1_epi32((int)k_lo));
-      for (int round = 0; round < 2; round++) {
-        if (round) h = _mm256_xor_si256(_mm256_xor_si256(h, hi), _mm256_set1_epi32((int)k_hi));
-        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-        h = _mm256_mullo_epi32(h, c1);
-        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-        h = _mm256_mullo_epi32(h, c2);
-        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-      }
-      const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), scale);
+      const __m256 r = lt_code_uniform8(i0 + (uint64_t)k, key);
       const __m256 x = _mm256_div_ps(_mm256_loadu_ps(m + k), am);
       __m256i i = _mm256_setzero_si256();
       for (int j = 1; j < 16; j++)
@@ -206,6 +216,30 @@ static void lt_sr8_tile(const lt_sr8_table *t, const float *restrict x, int64_t 
     const __m512i i = lt_sr8_round16(t, _mm512_loadu_ps(x + k), j, i0 + (uint64_t)k, key);
     const __m512i f = t->identity ? i : _mm512_i32gather_epi32(i, t->first, 4);
     _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(f));
+  }
+#endif
+#ifdef __AVX2__
+  /* The scalar loop's steps, 8 lanes, gathers (CPUs without AVX-512; on AVX-512 the
+     tail of 8 or more). A true compare is -1, so i + (x < u_j) subtracts one and
+     i - up adds one. */
+  for (; k + 8 <= len; k += 8) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(code + k)));
+    const __m256i j = t->identity ? c : _mm256_i32gather_epi32(t->value_of, c, 4);
+    const __m256 x8 = _mm256_loadu_ps(x + k);
+    const __m256 uj = _mm256_i32gather_ps(t->u, j, 4);
+    __m256i i = _mm256_add_epi32(j, _mm256_castps_si256(_mm256_cmp_ps(x8, uj, _CMP_LT_OQ)));
+    i = _mm256_max_epi32(i, _mm256_setzero_si256());
+    const __m256 r = lt_code_uniform8(i0 + (uint64_t)k, key);
+    const __m256 ui = _mm256_i32gather_ps(t->u, i, 4);
+    const __m256 di = _mm256_i32gather_ps(t->d, i, 4);
+    const __m256i below_last = _mm256_cmpgt_epi32(_mm256_set1_epi32(t->last), i);
+    const __m256i up = _mm256_and_si256(
+        below_last, _mm256_castps_si256(_mm256_cmp_ps(_mm256_sub_ps(x8, ui),
+                                                      _mm256_mul_ps(r, di), _CMP_GT_OQ)));
+    i = _mm256_sub_epi32(i, up);
+    const __m256i f = t->identity ? i : _mm256_i32gather_epi32(t->first, i, 4);
+    const __m128i f16 = _mm_packus_epi32(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1));
+    _mm_storel_epi64((__m128i *)(code + k), _mm_packus_epi16(f16, f16));
   }
 #endif
   for (; k < len; k++) {
