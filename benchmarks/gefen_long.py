@@ -52,6 +52,7 @@ from gefen_quality import make_optimizer  # noqa: E402
 from gefen_seeds import parse_seeds, summary  # noqa: E402
 
 from leantrain._schedule import warmup_cosine  # noqa: E402
+from leantrain.compare_memory import seeded_gpt  # noqa: E402
 from leantrain.data import TokenBatches, fixed_token_batches, load_stdlib_text  # noqa: E402
 from leantrain.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 from leantrain.optim import Gefen  # noqa: E402
@@ -136,15 +137,7 @@ def eval_steps(steps: int) -> list[int]:
 def train(setting: str, seed: int, config: Config) -> dict:
     """One run: the result record (validation and training loss at every eval)."""
     corpus = load_stdlib_text()
-    torch.manual_seed(seed)
-    model = GPT(
-        GPTConfig(
-            d_model=config.d_model,
-            n_layer=config.n_layer,
-            n_head=config.n_head,
-            block_size=config.block_size,
-        )
-    )
+    model = seeded_gpt(config, seed)
     opt = build_optimizer(setting, model, config.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(config.warmup, config.steps)

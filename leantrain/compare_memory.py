@@ -60,19 +60,26 @@ class MemoryConfig:
 DEFAULT = MemoryConfig()
 
 
+def seeded_gpt(config, seed: int) -> GPT:
+    """The GPT of ``config`` (anything with ``d_model``, ``n_layer``, ``n_head`` and
+    ``block_size``) initialised after ``torch.manual_seed(seed)``: the model of the
+    memory axis and of ``benchmarks/gefen_long.py``."""
+    torch.manual_seed(seed)
+    return GPT(
+        GPTConfig(
+            d_model=config.d_model,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            block_size=config.block_size,
+        )
+    )
+
+
 def _task(config: MemoryConfig, seed: int) -> Task:
     key = (config, seed)
     if key not in _TASKS:  # the corpus is read and the model built once per process
         corpus = load_corpus(config.data)
-        torch.manual_seed(seed)
-        model = GPT(
-            GPTConfig(
-                d_model=config.d_model,
-                n_layer=config.n_layer,
-                n_head=config.n_head,
-                block_size=config.block_size,
-            )
-        )
+        model = seeded_gpt(config, seed)
         val = fixed_token_batches(
             corpus.val,
             config.val_batches,

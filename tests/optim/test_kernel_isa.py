@@ -22,14 +22,9 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-@pytest.mark.skipif(not _cpu_has("avx512f"), reason="the AVX-512 path needs AVX-512F")
-def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
-    """The AVX-512 paths (8-bit gathers in gefen_avx512.h, 4-bit permutes in
-    gefen_codes.h) against the same kernel built without AVX-512: every parameter
-    bit, code, absmax and v equal, for 8-bit and packed 4-bit codes, block and
-    per-element second moments, odd blocks, tails shorter than a vector, one and
-    two threads, gradients with exact zeros and a wide range of magnitudes, and
-    stochastic 4-bit codes whose element indices cross 2**32 (the hash's high word)."""
+def _wide_and_narrow_builds(tmp_path, monkeypatch):
+    """The kernel as built here (AVX-512) and a second build without AVX-512 (the
+    scalar and AVX2 code) in a cache of its own; skips without a compiler."""
     if _native.compiler() is None:
         pytest.skip("no C compiler on this machine")
     if _native.load() is None:
@@ -41,6 +36,18 @@ def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
     monkeypatch.setattr(_native, "_library", None)
     narrow = _native.load()
     assert narrow is not None and narrow is not wide, _native.status()
+    return wide, narrow
+
+
+@pytest.mark.skipif(not _cpu_has("avx512f"), reason="the AVX-512 path needs AVX-512F")
+def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
+    """The AVX-512 paths (8-bit gathers in gefen_avx512.h, 4-bit permutes in
+    gefen_codes.h) against the same kernel built without AVX-512: every parameter
+    bit, code, absmax and v equal, for 8-bit and packed 4-bit codes, block and
+    per-element second moments, odd blocks, tails shorter than a vector, one and
+    two threads, gradients with exact zeros and a wide range of magnitudes, and
+    stochastic 4-bit codes whose element indices cross 2**32 (the hash's high word)."""
+    wide, narrow = _wide_and_narrow_builds(tmp_path, monkeypatch)
     cb8 = spaced_codebook(8)
     assert _quant_table.build_table(cb8).steps <= 1  # the vectorized lookup's case
     h = _fused.hyperparameters(5.0, **HYPER)
@@ -101,17 +108,7 @@ def test_avx512_stochastic_eight_bit_codes_give_the_scalar_paths_bits(
     pass) against the build without AVX-512 (the nearest lookup, then
     lt_sr8_tile): every bit equal, with block, per-element and factored second
     moments, tails shorter than a vector, element indices crossing 2**32."""
-    if _native.compiler() is None:
-        pytest.skip("no C compiler on this machine")
-    if _native.load() is None:
-        pytest.skip(f"native kernel unavailable: {_native.status()}")
-    wide = _native.load()
-    monkeypatch.setenv("LEANTRAIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(_native, "FLAGS", _native.FLAGS + ("-mno-avx512f",))
-    monkeypatch.setattr(_native, "_tried", False)
-    monkeypatch.setattr(_native, "_library", None)
-    narrow = _native.load()
-    assert narrow is not None and narrow is not wide, _native.status()
+    wide, narrow = _wide_and_narrow_builds(tmp_path, monkeypatch)
     cb8 = spaced_codebook(8)
     assert _quant_table.build_table(cb8).sr_steps <= 1  # the interval-table case
     h = _fused.hyperparameters(5.0, **HYPER)
