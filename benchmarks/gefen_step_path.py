@@ -69,8 +69,8 @@ IMPLEMENTATIONS: dict[str, list[tuple[str, str, str]]] = {
         ("C kernel", "_kernels/gefen_io.h", "lt_float_to_bf16_sr"),
     ],
     "second_moment='factored'": [
-        ("reference", "_step.py", "factored.factored_v"),
-        ("torch/CUDA chunk", "_torch_step.py", "factored_v("),
+        ("reference", "_step.py", "factored.factored_denominator"),
+        ("torch/CUDA chunk", "_torch_step.py", "factored_denominator("),
         ("C kernel", "_kernels/gefen_factored.h", "lt_factor_tile"),
     ],
     "nonfinite (the check)": [

@@ -1,4 +1,5 @@
-"""benchmarks/gefen_fallback_floor.py runs and prints every op as a ratio to fused AdamW."""
+"""benchmarks/gefen_fallback_floor.py runs and prints every op as a ratio to fused
+AdamW."""
 
 import subprocess
 import sys

@@ -209,13 +209,14 @@ def reference_step(
     if stochastic_codes and codebook is not None:
         key = code_rounding.code_key(seed, int(state["step"]))
     rows = state.get("factored")
-    if rows is not None:  # factored.py: row and column factors, then v per element
+    if rows is not None:  # factored.py: row and column factors, then denominators
         rows = int(rows)
         sq = grad.reshape(rows, n // rows).float().square()
         factors = state["exp_avg_sq"]
         factors[:rows].mul_(beta2).add_(sq.mean(1), alpha=1 - beta2)
         factors[rows:].mul_(beta2).add_(sq.mean(0), alpha=1 - beta2)
         cbar = factored.mean_column(factors, rows)
+        a, b = factored.denominator_factors(factors, rows, cbar, bias_correction2_sqrt)
     # Row-major flattening of the logical layout; a non-contiguous parameter is
     # updated in a contiguous copy and written back once at the end.
     flat_param = param.view(-1) if param.is_contiguous() else param.reshape(-1).clone()
@@ -226,9 +227,7 @@ def reference_step(
         g = flat_grad[start:end].float()
         if maximize:
             g = -g
-        if rows is not None:  # v per element, from the factors
-            v = factored.factored_v(factors, rows, cbar, start, end)
-        else:  # (B,) second moment per block of this chunk; chunks start on a block
+        if rows is None:  # (B,) v per block of this chunk; chunks start on a block
             v = state["exp_avg_sq"][start // period : math.ceil(end / period)]
             if period == 1:  # the same ops as torch's AdamW: "element" matches it
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -246,9 +245,11 @@ def reference_step(
             # Only what is stored is quantized: this step uses the exact new m
             # (docs/gefen.md, "The update uses the exact momentum").
             _store_momentum(state, m, start, end, qblock, codebook, nearest, key)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         if rows is None:
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
             denom = per_element(denom, period, end - start)
+        else:  # a[i] * b[j] + eps: sqrt(v_ij) / sqrt(bc2) + eps, factored.py
+            denom = factored.factored_denominator(a, b, eps, start, end)
         apply_update(w32, m, denom, step_size, lr, update_clip)
         if w32 is not w:
             w.copy_(w32)

@@ -25,7 +25,7 @@ from torch import Tensor
 from . import code_rounding
 from ._quant_table import QuantTable, nearest_index, quant_table
 from ._state_layout import packed_codes, state_layout
-from .factored import factored_v
+from .factored import denominator_factors, factored_denominator
 from .precision import round_to
 
 # Elements per chunk: temporaries are ~120 B per element of a chunk (fp32, fp64 and
@@ -134,15 +134,15 @@ def _chunk(
     table: QuantTable | None,
     h: dict[str, float],
     r: Tensor | None = None,
-    v_elem: Tensor | None = None,
+    den: Tensor | None = None,
 ) -> None:
     """One chunk of whole blocks: the full update in one pass (``r``: the code
-    rounding's uniforms of the chunk, or None for nearest codes; ``v_elem``: a
-    factored state's per-element v, already updated)."""
+    rounding's uniforms of the chunk, or None for nearest codes; ``den``: a
+    factored state's per-element denominators, from the updated factors)."""
     length = end - start
     sq = g * g
-    if v_elem is not None:
-        denom = (v_elem.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
+    if den is not None:
+        denom = den
     elif period == 1:
         v = state["exp_avg_sq"][start:end]
         _ema(v, sq, h)
@@ -191,7 +191,8 @@ def _big_block(
 ) -> None:
     """One block longer than a chunk: stats over sub-chunks, then the update
     (``uniforms(s, e)``: the code rounding's uniforms of elements [s, e), or None
-    for nearest codes; ``factors(s, e)``: a factored state's v of those elements)."""
+    for nearest codes; ``factors(s, e)``: a factored state's denominators of those
+    elements)."""
     b = start // block
     total, amax = 0.0, 0.0
     for s in range(start, end, chunk):
@@ -221,7 +222,7 @@ def _big_block(
             state["exp_avg"].view(-1)[s:e] = m
         w = param32[s - start : e - start]
         if factors is not None:
-            denom = (factors(s, e).sqrt() / h["sqrt_bc2"]).add_(h["eps"])
+            denom = factors(s, e)
         w.mul_(h["decay"]).add_(_clipped(m * -h["step_size"] / denom, h))
     if bits:
         state["exp_avg_absmax"][b] = amax_t
@@ -307,11 +308,13 @@ def torch_step(
             )
 
     rows = int(state["factored"]) if "factored" in state else None
+    if rows is not None:
+        a, b = denominator_factors(state["exp_avg_sq"], rows, cbar, h["sqrt_bc2"])
 
     def factors(start: int, end: int) -> Tensor | None:
         if rows is None:
             return None
-        return factored_v(state["exp_avg_sq"], rows, cbar, start, end)
+        return factored_denominator(a, b, h["eps"], start, end)
 
     def uniforms(start: int, end: int) -> Tensor | None:
         if code_key is None:
@@ -351,8 +354,8 @@ def torch_step(
             w = flat[start:end]
             w32 = w if w.dtype == torch.float32 else w.float()
             r = uniforms(start, end)
-            v = factors(start, end)
-            chunk_fn(w32, g, state, start, end, period, block, bits, table, h, r, v)
+            den = factors(start, end)
+            chunk_fn(w32, g, state, start, end, period, block, bits, table, h, r, den)
             write_back(w, w32, start)
     if not param.is_contiguous():
         param.copy_(flat.view(param.shape))

@@ -43,10 +43,14 @@ def test_factor_update_matches_dense_float64(monkeypatch):
     np.testing.assert_allclose(factors[rows:].numpy(), c, rtol=2e-6)
     cbar = factored.mean_column(factors, rows)
     assert cbar == pytest.approx(c.mean(), rel=1e-6)
-    v = factored.factored_v(factors, rows, cbar, 5, 300)
-    dense = (r[:, None] * c[None, :] / c.mean()).reshape(-1)[5:300]
-    np.testing.assert_allclose(v.numpy(), dense, rtol=1e-5)
-    assert bool((factored.factored_v(torch.zeros(5), 2, 0.0, 0, 6) == 0).all())
+    sqrt_bc2, eps = 0.3, 1e-8
+    a, b = factored.denominator_factors(factors, rows, cbar, sqrt_bc2)
+    den = factored.factored_denominator(a, b, eps, 5, 300)
+    v = (r[:, None] * c[None, :] / c.mean()).reshape(-1)[5:300]
+    np.testing.assert_allclose(den.numpy(), np.sqrt(v) / sqrt_bc2 + eps, rtol=1e-5)
+    # while cbar is 0 (no gradient yet) v is 0 and the denominator is eps
+    a, b = factored.denominator_factors(torch.zeros(5), 2, 0.0, sqrt_bc2)
+    assert bool((factored.factored_denominator(a, b, eps, 0, 6) == eps).all())
 
 
 def test_reference_step_is_adamw_with_the_factored_v():

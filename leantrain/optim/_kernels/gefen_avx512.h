@@ -116,25 +116,21 @@ static int64_t lt_momentum4_avx512(const float *restrict g, const uint8_t *restr
 
 /* The constants of lt_update16 (lt_update's scalars, broadcast). */
 typedef struct {
-  __m512 decay, ss, denom, bound, nbound, bc2, eps;
+  __m512 decay, ss, denom, bound, nbound;
 } lt_update_consts;
 
 static inline lt_update_consts lt_update_setup(const lt_hyper *h, float denom_block) {
   const lt_update_consts c = {_mm512_set1_ps(h->decay),    _mm512_set1_ps(h->step_size),
                               _mm512_set1_ps(denom_block), _mm512_set1_ps(h->max_step),
-                              _mm512_set1_ps(-h->max_step), _mm512_set1_ps(h->sqrt_bc2),
-                              _mm512_set1_ps(h->eps)};
+                              _mm512_set1_ps(-h->max_step)};
   return c;
 }
 
 /* p = p * decay - clip((step_size * m) / denom) on 16 lanes (lt_update; the
-   per-element denom from vel when vel is not NULL), with the exact m. */
+   per-element denominators den when den is not NULL), with the exact m. */
 static inline void lt_update16(const lt_update_consts *c, float *restrict p,
-                               const float *restrict m, const float *restrict vel) {
-  const __m512 denom =
-      vel ? _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(_mm512_loadu_ps(vel)), c->bc2),
-                          c->eps)
-          : c->denom;
+                               const float *restrict m, const float *restrict den) {
+  const __m512 denom = den ? _mm512_loadu_ps(den) : c->denom;
   const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(p), c->decay);
   const __m512 step = _mm512_mul_ps(c->ss, _mm512_loadu_ps(m));
   /* lt_clip: min/max return their second operand on NaN, so a NaN stays */
@@ -157,7 +153,7 @@ static inline __m512i lt_cell16(__m512 x, __m512 half, __m512 top) {
    number of elements done. */
 static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restrict m,
                                        float amax, int64_t len, float *restrict p,
-                                       const float *restrict vel, float denom_block,
+                                       const float *restrict den, float denom_block,
                                        const lt_hyper *h, const float *ahead,
                                        const lt_sr8_table *sr,
                                        uint64_t i0, uint64_t key, uint8_t *restrict code) {
@@ -186,7 +182,7 @@ static int64_t lt_quant8_update_avx512(const lt_quantizer *q, const float *restr
     if (sr) /* stochastic codes (every code its own value: j is the code) */
       j = lt_sr8_round16(sr, x, j, i0 + (uint64_t)k, key);
     _mm_storeu_si128((__m128i *)(code + k), _mm512_cvtepi32_epi8(j));
-    lt_update16(&uc, p + k, m + k, vel ? vel + k : 0);
+    lt_update16(&uc, p + k, m + k, den ? den + k : 0);
   }
   return k;
 }
@@ -219,7 +215,7 @@ static inline __m512i lt_interval16(const long long *entry, __m512 x, __m512 hal
    chain in turn. Returns the number of elements done. */
 static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *restrict m,
                                           float amax, int64_t len, float *restrict p,
-                                          const float *restrict vel, float denom_block,
+                                          const float *restrict den, float denom_block,
                                           const lt_hyper *h, const float *ahead, uint64_t i0,
                                           uint64_t key, uint8_t *restrict code) {
   if (len < 16) return 0;
@@ -257,7 +253,7 @@ static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *re
         _mm512_cmp_ps_mask(_mm512_sub_ps(x, ui), _mm512_mul_ps(r, di), _CMP_GT_OQ);
     _mm_storeu_si128((__m128i *)(code + k),
                      _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(i, up, i, inc)));
-    lt_update16(&uc, p + k, m + k, vel ? vel + k : 0);
+    lt_update16(&uc, p + k, m + k, den ? den + k : 0);
     x = x_next, i = i_next;
   }
   return k;
@@ -273,7 +269,7 @@ static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *re
    overlap. Returns the number of elements done. */
 static int64_t lt_quant4_update_avx512(const lt_quantizer *q, const float *restrict m,
                                        float amax, int64_t len, float *restrict p,
-                                       const float *restrict vel, float denom_block,
+                                       const float *restrict den, float denom_block,
                                        const lt_hyper *h, const float *ahead, int sr, uint64_t i0,
                                        uint64_t key, uint8_t *restrict code) {
   float mid[16], u[16], d[16];
@@ -321,7 +317,7 @@ static int64_t lt_quant4_update_avx512(const lt_quantizer *q, const float *restr
     }
     _mm_storeu_si128((__m128i *)(code + k),
                      _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(i, f)));
-    lt_update16(&uc, p + k, m + k, vel ? vel + k : 0);
+    lt_update16(&uc, p + k, m + k, den ? den + k : 0);
   }
   return k;
 }

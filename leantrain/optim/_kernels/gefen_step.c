@@ -15,7 +15,8 @@
  *   absmax = max_block |m|;  code = nearest_code(m / absmax)  (absmax 0 -> code of 0)
  *   param -= clip((lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), lr * update_clip)
  * The update uses the exact new m; only the stored copy is quantized.
- * With period 1 the second moment is per element (and `block` is the absmax block).
+ * With period 1 the second moment is per element (and `block` is the absmax block);
+ * a factored one's denominator is a[i] * b[j] + eps (gefen_factored.h).
  * With fp32 momentum (bits 0) m = lerp(m, g, 1 - beta1) is stored as is.
  * 4-bit codes are packed two per byte (element 2i in the low nibble) or stored one
  * per byte (lt_io.packed); 8-bit codes one per byte. The math is fp32 throughout: a
@@ -76,7 +77,7 @@ typedef struct {
 } lt_hyper;
 
 typedef struct { /* per-thread buffers of `chunk` elements */
-  float *vt;     /* a factored state's v of the sub-chunk */
+  float *vt;     /* the sub-chunk's per-element denominators (factored or period 1) */
   float *m;      /* the new momentum (fp32, what the update uses) */
   float *val;    /* m / absmax of each element (the 8-bit lookup input) */
   int32_t *cell; /* lookup cell of each element */
@@ -185,25 +186,23 @@ static inline float lt_clip(float x, float bound) {
   return -bound > x ? -bound : x;
 }
 
-/* p = p * decay - clip((step_size * m) / denom) over len elements (p, vel: those
-   elements of the parameter in fp32 and, with period 1, of v). */
+/* p = p * decay - clip((step_size * m) / denom) over len elements (p: those
+   elements of the parameter in fp32; den: their denominators, or NULL for the
+   block's denom_block). */
 static void lt_update(float *restrict p, const float *restrict m,
-                      const float *restrict vel, float denom_block, const lt_hyper *h,
+                      const float *restrict den, float denom_block, const lt_hyper *h,
                       int64_t len) {
   const float ss = h->step_size, decay = h->decay, bound = h->max_step;
-  if (vel == 0) {
-    for (int64_t k = 0; k < len; k++) {
-      float w = p[k] * decay;
-      p[k] = w - lt_clip((ss * m[k]) / denom_block, bound);
-    }
-  } else { /* period 1: one second moment per element */
-    const float *restrict v = vel;
-    for (int64_t k = 0; k < len; k++) {
-      float denom = sqrtf(v[k]) / h->sqrt_bc2 + h->eps;
-      float w = p[k] * decay;
-      p[k] = w - lt_clip((ss * m[k]) / denom, bound);
-    }
+  for (int64_t k = 0; k < len; k++) {
+    float w = p[k] * decay;
+    p[k] = w - lt_clip((ss * m[k]) / (den ? den[k] : denom_block), bound);
   }
+}
+
+/* The denominators sqrt(v) / sqrt(bc2) + eps of len per-element second moments. */
+static void lt_element_den(const float *restrict v, const lt_hyper *h, int64_t len,
+                           float *restrict out) {
+  for (int64_t k = 0; k < len; k++) out[k] = sqrtf(v[k]) / h->sqrt_bc2 + h->eps;
 }
 
 /* One block [s, s + len): both passes (fac: a factored state's factors, else 0;
@@ -243,7 +242,6 @@ static void lt_block(void *param, const void *grad, float *restrict v,
     denom = sqrtf(vb) / h->sqrt_bc2 + h->eps;
   }
   if (bits) absmax[b] = amax;
-  const float *vel = per_element_v ? v + s : 0;
   for (int64_t a = 0; a < len; a += chunk) { /* pass 2 */
     const int64_t l = len - a < chunk ? len - a : chunk;
     if (len > chunk) { /* the buffer holds the last sub-chunk only: recompute */
@@ -260,10 +258,13 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       lt_load(param, 1, s + a, l, w->p);
       p = w->p;
     }
-    const float *ve = vel ? vel + a : 0;
+    const float *den = 0; /* per-element denominators (0: the block's denom) */
     if (fac) {
-      lt_factor_tile(fac, s + a, l, w->vt);
-      ve = w->vt;
+      lt_factor_tile(fac, s + a, l, h->eps, w->vt);
+      den = w->vt;
+    } else if (per_element_v) {
+      lt_element_den(v + s + a, h, l, w->vt);
+      den = w->vt;
     }
     int updated = 0; /* the code loops may update the parameter as they go */
 #ifdef __AVX512F__
@@ -282,11 +283,11 @@ static void lt_block(void *param, const void *grad, float *restrict v,
       if (io->code_sr) lt_sr8_prepare(q, &w->sr8);
 #ifdef __AVX512F__
       if (io->code_sr && q->sr_steps <= 1 && q->nuniq == q->ncodes)
-        t = lt_quant8_sr_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead,
+        t = lt_quant8_sr_update_avx512(q, w->m, amax, l, p, den, denom, h, ahead,
                                        (uint64_t)(io->index0 + s + a), io->code_key,
                                        codes + s + a);
       else if (q->steps <= 1 && q->nuniq == q->ncodes) /* a learned codebook */
-        t = lt_quant8_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead,
+        t = lt_quant8_update_avx512(q, w->m, amax, l, p, den, denom, h, ahead,
                                     io->code_sr ? &w->sr8 : 0,
                                     (uint64_t)(io->index0 + s + a), io->code_key,
                                     codes + s + a);
@@ -300,17 +301,17 @@ static void lt_block(void *param, const void *grad, float *restrict v,
         if (io->code_sr) /* the nearest codes, rounded stochastically */
           lt_sr8_tile(&w->sr8, w->val, tl, (uint64_t)(io->index0 + s + a + t),
                       io->code_key, codes + s + a + t);
-        lt_update(p + t, w->m + t, ve ? ve + t : 0, denom, h, tl);
+        lt_update(p + t, w->m + t, den ? den + t : 0, denom, h, tl);
       }
       updated = 1;
     } else { /* 4-bit codes, or a block whose momentum is all zero (or NaN) */
       int64_t t = 0; /* amax > 0 here means 4-bit codes */
 #ifdef __AVX512F__
       if (amax > 0.0f) { /* the lookup and the update in one loop, then the tail */
-        t = lt_quant4_update_avx512(q, w->m, amax, l, p, ve, denom, h, ahead, io->code_sr,
+        t = lt_quant4_update_avx512(q, w->m, amax, l, p, den, denom, h, ahead, io->code_sr,
                                     (uint64_t)(io->index0 + s + a), io->code_key,
                                     w->code);
-        lt_update(p + t, w->m + t, ve ? ve + t : 0, denom, h, l - t);
+        lt_update(p + t, w->m + t, den ? den + t : 0, denom, h, l - t);
         updated = 1;
       }
 #endif
@@ -327,7 +328,7 @@ static void lt_block(void *param, const void *grad, float *restrict v,
         lt_store_codes(codes, 1, n, s + a, l, w->code);
     }
     /* the exact new m, not its stored quantization */
-    if (!updated) lt_update(p, w->m, ve, denom, h, l);
+    if (!updated) lt_update(p, w->m, den, denom, h, l);
     if (io->param_bf16) lt_store_bf16((uint16_t *)param, w->p, s + a, l, io);
   }
 }
@@ -359,13 +360,19 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
   if (nthreads < 1) nthreads = 1;
   lt_plan *plan = malloc(sizeof(lt_plan) * (size_t)(count > 0 ? count : 1));
   int64_t *first = malloc(sizeof(int64_t) * (size_t)(count + 1)); /* grab offsets */
+  int64_t *scale0 = malloc(sizeof(int64_t) * (size_t)(count + 1)); /* a, b offsets */
   float *cbar = malloc(sizeof(float) * (size_t)(count > 0 ? count : 1));
-  if (plan == 0 || first == 0 || cbar == 0) {
+  if (plan == 0 || first == 0 || scale0 == 0 || cbar == 0) {
     free(plan);
     free(first);
+    free(scale0);
     free(cbar);
     return -6;
   }
+  scale0[0] = 0;
+  for (int32_t i = 0; i < count; i++) /* a factored job's rows + cols scales */
+    scale0[i + 1] = scale0[i] + (jobs[i].rows > 0 ? jobs[i].rows + jobs[i].n / jobs[i].rows : 0);
+  float *scales = malloc(sizeof(float) * (size_t)(scale0[count] > 0 ? scale0[count] : 1));
   int64_t cmax = 1;
   first[0] = 0;
   for (int32_t i = 0; i < count; i++) {
@@ -387,13 +394,21 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
      loaded and a stored stream make the CPU stall on false store-load aliasing. */
   const size_t c = (size_t)cmax, gap = 320, per = (c * 25 + 7 * gap + 63) / 64 * 64;
   char *arena = malloc(per * (size_t)nt);
-  const int64_t pre = arena ? lt_prepass(jobs, count, check, nthreads, cbar) : -6;
+  const int64_t pre = arena && scales ? lt_prepass(jobs, count, check, nthreads, cbar) : -6;
   if (pre != 0) {
     free(arena);
     free(plan);
     free(first);
+    free(scale0);
+    free(scales);
     free(cbar);
     return (int)pre;
+  }
+  for (int32_t i = 0; i < count; i++) { /* the factors advanced: this step's a, b */
+    const lt_job *j = jobs + i;
+    if (j->rows > 0)
+      lt_factor_scales(j->v, j->v + j->rows, j->rows, j->n / j->rows, cbar[i],
+                       j->h->sqrt_bc2, scales + scale0[i], scales + scale0[i] + j->rows);
   }
 
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -424,8 +439,8 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
       const int64_t u0 = (gi - first[lo]) * pl->grab;
       const int64_t u1 = u0 + pl->grab < pl->nunits ? u0 + pl->grab : pl->nunits;
       const int64_t b_end = u1 * pl->unit < pl->nblocks ? u1 * pl->unit : pl->nblocks;
-      const lt_factors fac = {j->v, j->v + (j->rows > 0 ? j->rows : 0),
-                              j->rows > 0 ? j->n / j->rows : 1, cbar[lo]};
+      const lt_factors fac = {scales + scale0[lo], scales + scale0[lo] + j->rows,
+                              j->rows > 0 ? j->n / j->rows : 1};
       for (int64_t b = u0 * pl->unit; b < b_end; b++) {
         const int64_t s = b * j->block;
         const int64_t len = s + j->block <= j->n ? j->block : j->n - s;
@@ -439,6 +454,8 @@ int lt_gefen_step_many(const lt_job *jobs, int32_t count, int64_t chunk,
   free(arena);
   free(plan);
   free(first);
+  free(scale0);
+  free(scales);
   free(cbar);
   return 0;
 }
