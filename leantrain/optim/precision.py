@@ -20,9 +20,10 @@ overflows). NaN and infinities are converted as by ``Tensor.to``.
 
 **The random bits** come from a counter-based hash, not a stateful generator: the
 bits of element ``i`` (the row-major flat index in the parameter) are
-``hash32(i, key)``, two rounds of MurmurHash3's 32-bit finalizer
-(:func:`random_bits`), with a 64-bit ``key`` that :func:`rounding_key` derives from a
-per-parameter ``seed`` and the optimizer step. They depend on nothing else: not on
+``hash32(i, key)``, MurmurHash3's 32-bit finalizer of the low words, mixed with
+the same finalizer of the high words (:func:`random_bits`), with a 64-bit ``key``
+that :func:`rounding_key` derives from a per-parameter ``seed`` and the optimizer
+step. They depend on nothing else: not on
 threads, chunking, device or what ran before, so a run resumed from a checkpoint
 (which holds ``step``) draws the same bits and continues bit-exactly.
 """
@@ -87,13 +88,14 @@ def _fmix32(x: Tensor) -> Tensor:
 def random_bits(key: int, start: int, count: int, device=None) -> Tensor:
     """32 random bits (as int64 in [0, 2**32)) for elements start .. start+count-1.
 
-    ``hash32(i, key) = fmix32(fmix32(lo32(i) ^ lo32(key)) ^ hi32(i) ^ hi32(key))``
-    with MurmurHash3's finalizer ``fmix32``; the C kernel computes the same.
+    ``hash32(i, key) = fmix32(lo32(i) ^ lo32(key) ^ fmix32(hi32(i) ^ hi32(key)))``
+    with MurmurHash3's finalizer ``fmix32``; the C kernel computes the same. Why
+    this shape: the inner round is the same for all elements of a tensor below
+    2**32 elements, so the kernel pays one round per element, not two.
     """
     i = torch.arange(start, start + count, dtype=torch.int64, device=device)
     k_lo, k_hi = key & _M32, (key >> 32) & _M32
-    x = _fmix32((i & _M32) ^ k_lo)
-    return _fmix32(x ^ (i >> 32) ^ k_hi)
+    return _fmix32((i & _M32) ^ k_lo ^ _fmix32((i >> 32) ^ k_hi))
 
 
 def _magnitude_bits(t: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ def python_hash(i: int, key: int) -> int:
         return x ^ (x >> 16)
 
     m = 0xFFFFFFFF
-    return fmix(fmix((i & m) ^ (key & m)) ^ (i >> 32) ^ ((key >> 32) & m))
+    return fmix((i & m) ^ (key & m) ^ fmix((i >> 32) ^ ((key >> 32) & m)))
 
 
 def test_random_bits_match_plain_python_and_look_uniform():
@@ -64,6 +64,17 @@ def test_random_bits_match_plain_python_and_look_uniform():
     bits = (r[:, None] >> torch.arange(32)) & 1  # every bit is a fair coin
     assert float((bits.double().mean(0) - 0.5).abs().max()) < 0.01
     assert r.unique().numel() > 0.999 * r.numel()
+
+
+def test_random_bits_of_neighbouring_elements_and_steps_are_uncorrelated():
+    """One element's bits at consecutive steps, and neighbouring elements' bits at
+    one step, are uncorrelated (|rho| < 0.02 over 65,536 pairs: sd 0.004)."""
+    n = 1 << 16
+    now = random_bits(rounding_key(7, 3), 0, n + 1).double()
+    later = random_bits(rounding_key(7, 4), 0, n).double()
+    for a, b in ((now[:n], later), (now[:n], now[1:])):
+        rho = torch.corrcoef(torch.stack([a, b]))[0, 1]
+        assert abs(float(rho)) < 0.02
 
 
 @pytest.mark.parametrize("dtype", LOW)

@@ -47,10 +47,17 @@ static inline uint32_t lt_fmix32(uint32_t x) {
   return x;
 }
 
-/* The counter-based hash of both roundings: 32 random bits of global element i. */
+/* The high word's part of lt_hash: fmix32(hi32(i) ^ hi32(key)). */
+static inline uint32_t lt_hash_high(uint32_t i_hi, uint64_t key) {
+  return lt_fmix32(i_hi ^ (uint32_t)(key >> 32));
+}
+
+/* The counter-based hash of both roundings: 32 random bits of global element i,
+   fmix32(lo32(i) ^ lo32(key) ^ fmix32(hi32(i) ^ hi32(key))). The high word's
+   round is the same for every element of a tensor below 2^32 elements, so vector
+   code does it once per vector: one round per element. */
 static inline uint32_t lt_hash(uint64_t i, uint64_t key) {
-  const uint32_t k_lo = (uint32_t)key, k_hi = (uint32_t)(key >> 32);
-  return lt_fmix32(lt_fmix32((uint32_t)i ^ k_lo) ^ (uint32_t)(i >> 32) ^ k_hi);
+  return lt_fmix32((uint32_t)i ^ (uint32_t)key ^ lt_hash_high((uint32_t)(i >> 32), key));
 }
 
 /* Stochastic rounding of f to bf16 with 32 random bits r: away from zero iff

@@ -33,25 +33,22 @@ static inline uint32_t lt_code_bits(uint64_t i, uint64_t key) {
 static inline __m512 lt_code_uniform16(uint64_t base, uint64_t key) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                          14, 15);
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512i c1 = _mm512_set1_epi32((int)0x85ebca6bu);
-  const __m512i c2 = _mm512_set1_epi32((int)0xc2b2ae35u);
   const __m512i b_lo = _mm512_set1_epi32((int)(uint32_t)base);
   const __m512i lo = _mm512_add_epi32(b_lo, lane); /* wraps like uint32 */
-  __m512i hi = _mm512_set1_epi32((int)(uint32_t)(base >> 32));
-  hi = _mm512_mask_add_epi32(hi, _mm512_cmp_epu32_mask(lo, b_lo, _MM_CMPINT_LT), hi,
-                             one); /* the carry into the high word */
-  __m512i h = _mm512_xor_si512(lo, _mm512_set1_epi32((int)(uint32_t)key));
-  for (int round = 0; round < 2; round++) {
-    if (round)
-      h = _mm512_xor_si512(_mm512_xor_si512(h, hi),
-                           _mm512_set1_epi32((int)(uint32_t)(key >> 32)));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, c1);
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-    h = _mm512_mullo_epi32(h, c2);
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-  }
+  /* lt_hash_high of each lane: of base's high word, or of the next one where
+     base + lane carried into it */
+  const uint32_t hi = (uint32_t)(base >> 32);
+  const __m512i high = _mm512_mask_blend_epi32(
+      _mm512_cmp_epu32_mask(lo, b_lo, _MM_CMPINT_LT),
+      _mm512_set1_epi32((int)lt_hash_high(hi, key)),
+      _mm512_set1_epi32((int)lt_hash_high(hi + 1u, key)));
+  __m512i h = _mm512_ternarylogic_epi32(lo, _mm512_set1_epi32((int)(uint32_t)key), high,
+                                        0x96); /* lo ^ lo32(key) ^ high */
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85ebca6bu));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xc2b2ae35u));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)),
                        _mm512_set1_ps(0x1p-24f));
 }
@@ -64,26 +61,23 @@ static inline __m512 lt_code_uniform16(uint64_t base, uint64_t key) {
 static inline __m256 lt_code_uniform8(uint64_t base, uint64_t key) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-  const __m256i c1 = _mm256_set1_epi32((int)0x85ebca6bu);
-  const __m256i c2 = _mm256_set1_epi32((int)0xc2b2ae35u);
   const __m256i b_lo = _mm256_set1_epi32((int)(uint32_t)base);
   const __m256i lo = _mm256_add_epi32(b_lo, lane);
-  /* carry into the high word where lo wrapped: lo < b_lo unsigned (compare with the
-     sign bits flipped); a true compare is -1, so subtract it */
+  /* carried where lo < b_lo unsigned (compare with the sign bits flipped): those
+     lanes take lt_hash_high of the next high word */
   const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(b_lo, sign),
                                            _mm256_xor_si256(lo, sign));
-  const __m256i hi = _mm256_sub_epi32(_mm256_set1_epi32((int)(uint32_t)(base >> 32)), carry);
-  __m256i h = _mm256_xor_si256(lo, _mm256_set1_epi32((int)(uint32_t)key));
-  for (int round = 0; round < 2; round++) {
-    if (round)
-      h = _mm256_xor_si256(_mm256_xor_si256(h, hi),
-                           _mm256_set1_epi32((int)(uint32_t)(key >> 32)));
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    h = _mm256_mullo_epi32(h, c1);
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-    h = _mm256_mullo_epi32(h, c2);
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-  }
+  const uint32_t hi = (uint32_t)(base >> 32);
+  const __m256i high = _mm256_blendv_epi8(_mm256_set1_epi32((int)lt_hash_high(hi, key)),
+                                          _mm256_set1_epi32((int)lt_hash_high(hi + 1u, key)),
+                                          carry);
+  __m256i h = _mm256_xor_si256(_mm256_xor_si256(lo, _mm256_set1_epi32((int)(uint32_t)key)),
+                               high);
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85ebca6bu));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xc2b2ae35u));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)),
                        _mm256_set1_ps(0x1p-24f));
 }
