@@ -150,8 +150,8 @@ def main() -> None:
             f" {memory / fused:10.2f} {in_cache / fused:10.2f}"
         )
     print(
-        "mem/L2 near 1: bound by arithmetic; 'L2 /fused' > 1: slower than fused "
-        "AdamW's memory-bound step even with every tensor in cache."
+        "mem/L2 near 1: bound by arithmetic; 'L2 /fused' > 1: slower, with every "
+        "tensor in cache, than fused AdamW's step from memory."
     )
 
 

@@ -193,9 +193,16 @@ static void lt_update(float *restrict p, const float *restrict m,
                       const float *restrict den, float denom_block, const lt_hyper *h,
                       int64_t len) {
   const float ss = h->step_size, decay = h->decay, bound = h->max_step;
-  for (int64_t k = 0; k < len; k++) {
-    float w = p[k] * decay;
-    p[k] = w - lt_clip((ss * m[k]) / (den ? den[k] : denom_block), bound);
+  if (den == 0) { /* two loops: each vectorizes */
+    for (int64_t k = 0; k < len; k++) {
+      float w = p[k] * decay;
+      p[k] = w - lt_clip((ss * m[k]) / denom_block, bound);
+    }
+  } else {
+    for (int64_t k = 0; k < len; k++) {
+      float w = p[k] * decay;
+      p[k] = w - lt_clip((ss * m[k]) / den[k], bound);
+    }
   }
 }
 
