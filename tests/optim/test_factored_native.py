@@ -133,6 +133,29 @@ def test_a_nonfinite_gradient_on_the_plan_changes_nothing(where, policy):
                 assert torch.equal(now[index][key], value), (index, key)
 
 
+def test_the_plans_finite_check_sees_every_element_of_a_long_gradient():
+    """The first phase reads a block-v gradient in pieces of 65,536 elements, each as
+    four interleaved quarters; an infinity in any quarter, at a quarter's ends or in
+    a piece's tail is found, and the step changes nothing."""
+    n = 2 * 65536 + 13
+    param = torch.nn.Parameter(torch.randn(n))
+    opt = Gefen([param], momentum_bits=8)
+    for step in range(2):
+        param.grad = torch.randn(n) * (step + 1)
+        opt.step()
+    assert opt.__dict__.get("_plan") is not None
+    q = 65536 // 4
+    spots = [0, q - 1, q, 2 * q + 5, 3 * q + 7, 65535, 65536 + 3 * q + 1, n - 13, n - 1]
+    for count, spot in enumerate(spots, start=1):
+        before = param.detach().clone()
+        param.grad = torch.randn(n)
+        param.grad[spot] = float("inf")
+        with pytest.warns(RuntimeWarning, match="step skipped"):
+            opt.step()
+        assert opt.nonfinite_steps == count, spot
+        assert torch.equal(param.detach(), before), spot
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 21), (300, 700), (5000, 40), (2, 3, 5)])
 def test_kernel_factors_equal_the_torch_path_on_any_thread_count(shape, grad_dtype):
