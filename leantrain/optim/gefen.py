@@ -128,7 +128,7 @@ class Gefen(Optimizer):
             factors cost at most 1/32 byte per element (``4 (R + C) <= R C / 32``);
             blocks otherwise, and for FSDP2-sharded parameters, which cannot factor
             yet. Factors close most of the gap to AdamW that a block-shared ``v``
-            leaves (a 2,000-step GPT, 8-bit: 1.020x -> 1.002x AdamW's validation
+            leaves (a 2,000-step GPT, 8-bit: 1.020x -> 1.003x AdamW's validation
             loss; an MLP on raw pixels: 1.16x -> 1.01x). May be set per param
             group. See docs/gefen.md.
         update_clip: the largest step of one element, in units of lr: each
