@@ -14,7 +14,7 @@ each minus the fixed cost of a call (the same optimizer on a 2 x 2 matrix), so
 what is left is the per-element cost. The ratio memory / in cache near 1 means
 the step is bound by its arithmetic: its in-cache time per element is its floor
 on any memory system. The table also gives every figure as a ratio to
-``AdamW(fused=True)`` at the memory size, the issue's yardstick: an in-cache
+``AdamW(fused=True)`` at the memory size, the yardstick: an in-cache
 ratio above 1 means no memory system could bring that step to fused AdamW's
 speed without fewer operations per element.
 
