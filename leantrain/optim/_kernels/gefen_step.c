@@ -77,7 +77,7 @@ typedef struct {
 } lt_hyper;
 
 typedef struct { /* per-thread buffers of `chunk` elements */
-  float *vt;     /* the sub-chunk's per-element denominators (factored or period 1) */
+  float *den;    /* the sub-chunk's per-element denominators (factored or period 1) */
   float *m;      /* the new momentum (fp32, what the update uses) */
   float *val;    /* m / absmax of each element (the 8-bit lookup input) */
   int32_t *cell; /* lookup cell of each element */
@@ -267,11 +267,11 @@ static void lt_block(void *param, const void *grad, float *restrict v,
     }
     const float *den = 0; /* per-element denominators (0: the block's denom) */
     if (fac) {
-      lt_factor_tile(fac, s + a, l, h->eps, w->vt);
-      den = w->vt;
+      lt_factor_tile(fac, s + a, l, h->eps, w->den);
+      den = w->den;
     } else if (per_element_v) {
-      lt_element_den(v + s + a, h, l, w->vt);
-      den = w->vt;
+      lt_element_den(v + s + a, h, l, w->den);
+      den = w->den;
     }
     int updated = 0; /* the code loops may update the parameter as they go */
 #ifdef __AVX512F__
