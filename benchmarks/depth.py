@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import dataclasses
 import datetime
 import gc
 import inspect
@@ -461,14 +462,7 @@ def save(path: str, args, res: dict) -> None:
             for m, t in res["times"].items()
         },
         "outside": {
-            str(m): [
-                t.embed,
-                t.head_forward,
-                t.head_backward,
-                t.optimizer_layer,
-                t.optimizer_ends,
-            ]
-            for m, t in res["outside"].items()
+            str(m): list(dataclasses.astuple(t)) for m, t in res["outside"].items()
         },
         "depths": {str(n): rows for n, rows in res["depths"].items()},
     }
@@ -553,16 +547,7 @@ def print_measured(args, runs: list[Run], res: dict, only: int | None = None) ->
             "AdamW embed+head) per micro-batch count: "
             + "; ".join(
                 f"M={m}: "
-                + " / ".join(
-                    f"{v * 1e3:.2f}"
-                    for v in (
-                        t.embed,
-                        t.head_forward,
-                        t.head_backward,
-                        t.optimizer_layer,
-                        t.optimizer_ends,
-                    )
-                )
+                + " / ".join(f"{v * 1e3:.2f}" for v in dataclasses.astuple(t))
                 for m, t in res["outside"].items()
             )
         )

@@ -36,14 +36,6 @@ from tests.integrations.conftest import (
 N = 4  # layers: N / chunks = 2 is a multiple of cf = 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _model(family: str, base: bool = False):
     factory = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert}
     model = factory.get(family, tiny_vit)(dtype=torch.float64, layers=N)

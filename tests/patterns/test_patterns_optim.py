@@ -107,14 +107,6 @@ def _expected_steps(model, loop: Loop) -> dict[str, int]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.mark.parametrize("axis", list(OPTIMIZERS))
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_gefen_pattern_equals_plain_loop(pattern, axis):
