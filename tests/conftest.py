@@ -6,6 +6,8 @@ The CI machine has two cores; one thread per test process keeps timings stable.
 import pytest
 import torch
 
+_ABSENT = object()
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_seed():
@@ -21,6 +23,30 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def set_attribute():
+    """``set_attribute(obj, name, value)``, undone after the test exactly as found.
+
+    pytest's ``monkeypatch.setattr`` restores what it saw in ``obj.__dict__``; a
+    torch config module keeps its options elsewhere, so since pytest 9.2 the undo
+    deletes the option for the rest of the process. This reads and restores the
+    attribute itself (``getattr``/``setattr``), and removes it only if it was
+    absent.
+    """
+    undo = []
+
+    def set_(obj, name, value):
+        undo.append((obj, name, getattr(obj, name, _ABSENT)))
+        setattr(obj, name, value)
+
+    yield set_
+    for obj, name, old in reversed(undo):
+        if old is _ABSENT:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
 
 
 def pytest_configure(config):

@@ -22,9 +22,29 @@ def test_readme_examples_run(capsys):
     assert len(residuals) >= 2 and residuals[-1] < residuals[0]  # MGRIT converges
 
 
-def test_readme_setup_gives_two_commands():
+def setup_commands() -> list[str]:
+    """The README's set-up block: one command per line, comments dropped."""
     text = README.read_text()
     setup = text[text.index("## Set up") :]
-    commands = re.search(r"```bash\n(.*?)```", setup, re.S)[1].strip().splitlines()
+    lines = re.search(r"```bash\n(.*?)```", setup, re.S)[1].strip().splitlines()
+    return [line.split("#")[0].strip() for line in lines]
+
+
+def test_readme_setup_gives_two_commands():
+    commands = setup_commands()
     assert len(commands) == 2
     assert "leantrain compare" in commands[0] and "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_venv():
+    """.ci/run runs the README's test command as written, and installs the project
+    the way the main-job command does (the same torch pin), in a new venv."""
+    main_job, tests = setup_commands()
+    ci = (README.parent / ".ci" / "run").read_text()
+    ci_lines = [line.strip() for line in ci.splitlines()]
+    assert any(line.startswith(tests) for line in ci_lines), tests  # same line
+    install = re.match(r"(pip install \S+) -e \.", main_job)
+    assert install, main_job
+    assert tests.startswith(install[1] + ' -e ".[test]"')  # same torch, same way
+    assert re.search(r"python3 -m venv ", ci)  # a new venv every run
+    assert ci.index("python3 -m venv") < ci.index(tests)

@@ -41,7 +41,7 @@ from leantrain.precond.curv.extension import eager
 from leantrain.precond.curv.kinds import reduction_factor
 from leantrain.precond.gradient_maker import unwrap_model
 
-__all__ = ["LoopRecorder", "amp_scale", "finish_step", "guard_module_hooks"]
+__all__ = ["LoopRecorder", "ModuleHookGuards", "amp_scale", "finish_step"]
 
 
 @dataclass
@@ -319,22 +319,60 @@ def finish_step(maker: Any, recorder: LoopRecorder | None, loss_scale: float) ->
     maker.step += 1
 
 
-def guard_module_hooks() -> None:
-    """Make ``torch.compile``'d calls of the model see the recorder's hooks.
+_HOOK_GUARDS = "skip_nnmodule_hook_guards"
+# Process-wide, as the option is: how many leases are held, and the value the first
+# one found (restored by the last one).
+_hook_guard_leases = {"held": 0, "found": None}
+
+
+class ModuleHookGuards:
+    """A lease on dynamo's guards on module hooks, for one recorder's lifetime.
 
     Dynamo does not guard compiled graphs on module hooks by default
-    (``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced without
-    the hooks would keep running without them (no statistics), and one traced with
-    them would keep calling them after they are removed. With the guards, attaching
-    or removing the hooks selects the graph traced for that state (two graphs).
-    Entries compiled before carry no such guard, so they are dropped once.
+    (``torch._dynamo.config.skip_nnmodule_hook_guards = True``): a graph traced
+    without the recorder's hooks would keep running without them (no statistics),
+    and one traced with them would keep calling them after they are removed. With
+    the guards, attaching or removing the hooks selects the graph traced for that
+    state (two graphs).
+
+    The option is read when dynamo builds a graph's guards, inside the user's
+    compiled call, which the recorder does not wrap; so it is off while at least
+    one lease is held (from the first step of a ``PreconditionedOptimizer`` after
+    ``torch._dynamo`` is loaded until its ``close()`` or its collection) and put
+    back exactly as it was found when the last lease is released. Graphs compiled
+    before the first lease carry no hook guard and are dropped once
+    (``torch._dynamo.reset()``); graphs compiled under a lease keep their extra
+    guards afterwards, which is safe.
     """
-    dynamo = sys.modules.get("torch._dynamo")  # imported by torch.compile
-    if dynamo is None:
-        return  # nothing compiled yet; checked again before every step
-    if getattr(dynamo.config, "skip_nnmodule_hook_guards", False):
-        dynamo.config.skip_nnmodule_hook_guards = False
-        dynamo.reset()
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def acquire(self) -> None:
+        """Hold the guards on (a no-op while held or before dynamo is loaded)."""
+        if self.held:
+            return
+        dynamo = sys.modules.get("torch._dynamo")  # imported by torch.compile
+        if dynamo is None or not hasattr(dynamo.config, _HOOK_GUARDS):
+            return  # nothing compiled yet (asked again before every step)
+        if _hook_guard_leases["held"] == 0:
+            found = getattr(dynamo.config, _HOOK_GUARDS)
+            _hook_guard_leases["found"] = found
+            if found:
+                setattr(dynamo.config, _HOOK_GUARDS, False)
+                dynamo.reset()
+        _hook_guard_leases["held"] += 1
+        self.held = True
+
+    def release(self) -> None:
+        """Give the lease back; the last one restores the value found."""
+        if not self.held:
+            return
+        self.held = False
+        _hook_guard_leases["held"] -= 1
+        if _hook_guard_leases["held"] == 0:
+            dynamo = sys.modules["torch._dynamo"]
+            setattr(dynamo.config, _HOOK_GUARDS, _hook_guard_leases["found"])
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ themselves (second-order backward, a replay at other parameters, per-example
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -29,9 +30,9 @@ from leantrain.precond._hooked import HookedMaker
 from leantrain.precond._kron import KronFactorMaker
 from leantrain.precond._loop_record import (
     LoopRecorder,
+    ModuleHookGuards,
     amp_scale,
     finish_step,
-    guard_module_hooks,
 )
 from leantrain.precond.preconditioned import PreconditionedGradientMaker
 from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
@@ -98,10 +99,12 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     happens before the preconditioning. Under ``GradScaler.step(optimizer)`` the
     curvature is taken from unscaled quantities and skipped steps record nothing.
 
-    A ``torch.compile``'d model works: building the optimizer turns on dynamo's
-    guards on module hooks, process-wide (``skip_nnmodule_hook_guards = False``,
-    dropping graphs compiled before once), so a compiled call runs the hooks
-    exactly when they are attached.
+    A ``torch.compile``'d model works: while the optimizer is open (until
+    :meth:`close` or its collection) dynamo guards compiled graphs on module hooks
+    (``torch._dynamo.config.skip_nnmodule_hook_guards = False``, process-wide as the
+    option is; graphs compiled before are dropped once), so a compiled call runs the
+    hooks exactly when they are attached. ``close()`` puts the option back as it was
+    found (:class:`~leantrain.precond._loop_record.ModuleHookGuards`).
 
     Activation checkpointing (``torch.utils.checkpoint.checkpoint`` with
     ``use_reentrant=False``, Hugging Face's default) is recorded once per call: the
@@ -218,6 +221,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._patch_step_function()
         self._warned_capturable_if_run_uncaptured = True
+        self._closed = False
+        self._hook_guards = ModuleHookGuards()
+        weakref.finalize(self, self._hook_guards.release)
         self._arm()
 
     # -- the wrapped optimizer's fields -----------------------------------------
@@ -261,9 +267,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
     # -- the step ------------------------------------------------------------------
     def _arm(self) -> None:
         """Record the model calls before the next step if it updates curvature."""
-        if self._recorder is None:
+        if self._recorder is None or self._closed:
             return
-        guard_module_hooks()
+        self._hook_guards.acquire()
         if self.maker.config.curvature_due(self.maker.step):
             self._recorder.start()
             # Monte-Carlo draws of a step the scaler skips are taken back.
@@ -343,10 +349,12 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         self._arm()
 
     def close(self) -> None:
-        """Remove the hooks from the model (at the end of training; a later
-        curvature step raises)."""
+        """Remove the hooks from the model and put dynamo's hook-guard option back
+        as it was found (at the end of training; a later curvature step raises)."""
         if self._recorder is not None:
             self._recorder.stop()
+        self._closed = True
+        self._hook_guards.release()
 
 
 def precondition_in_loop(

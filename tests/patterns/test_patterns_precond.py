@@ -66,12 +66,12 @@ def check_compile(form, method):
 
 
 @pytest.mark.parametrize("method", ["kfac", "kfac_10"])
-def test_compiled_loop_after_a_graph_without_hooks(method, monkeypatch):
+def test_compiled_loop_after_a_graph_without_hooks(method, set_attribute):
     # A process whose dynamo guards no module hooks (the default) and already
     # compiled the model class without them: the loop still records every step.
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
+    set_attribute(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
     torch._dynamo.reset()
     data = batches(12)  # kfac_10: hooks attached at steps 0 and 10 only
     first = net()

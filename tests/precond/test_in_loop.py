@@ -482,3 +482,59 @@ def test_a_deep_copy_of_the_model_is_not_recorded():
         return [p.detach() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
+
+
+def _hook_guard_option():
+    import torch._dynamo
+
+    return torch._dynamo.config.skip_nnmodule_hook_guards
+
+
+def _kfac_loop():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = precondition_in_loop(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac", **EMP
+    )
+    return model, opt
+
+
+def test_hook_guards_are_on_while_open_and_restored_as_found(set_attribute):
+    import gc
+
+    import torch._dynamo
+
+    for found in (True, False):  # dynamo's default, then a user's own choice
+        set_attribute(torch._dynamo.config, "skip_nnmodule_hook_guards", found)
+        _, first = _kfac_loop()
+        _, second = _kfac_loop()
+        assert _hook_guard_option() is False
+        first.close()
+        assert _hook_guard_option() is False  # the second still records
+        first.close()  # closing twice gives back one lease, once
+        assert _hook_guard_option() is False
+        del second
+        gc.collect()  # a collected optimizer gives its lease back too
+        assert _hook_guard_option() is found
+    model = torch.nn.Linear(4, 3)
+    shampoo = precondition_in_loop(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, "shampoo"
+    )
+    assert _hook_guard_option() is False  # the value the loop above left
+    shampoo.close()
+
+
+def test_compiles_after_close_see_dynamo_as_found(set_attribute):
+    import torch._dynamo
+
+    set_attribute(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
+    model, opt = _kfac_loop()
+    x = torch.randn(8, 4)
+    compiled = torch.compile(model, backend="eager")
+    compiled(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.close()
+    assert _hook_guard_option() is True
+    other = torch.nn.Linear(4, 2)
+    torch.compile(other, backend="eager")(x).sum().backward()  # builds its guards
+    assert other.weight.grad is not None
