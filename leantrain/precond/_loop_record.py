@@ -286,37 +286,53 @@ class LoopRecorder:
 
 
 @torch.no_grad()
-def finish_step(maker: Any, recorder: LoopRecorder | None, loss_scale: float) -> None:
+def finish_step(
+    maker: Any, recorder: LoopRecorder | None, loss_scale: float, *, scaled: bool
+) -> bool:
     """What a maker's ``forward_and_backward`` runs after its curvature pass, for a
     step whose forward and backward ran elsewhere (the user's loop, or the maker's
     micro-batches): fold in the recorded micro-batches (``recorder``; ``None``:
     statistics from ``.grad``), run the due updates on finite gradients, then
-    ``precondition()``; ``maker.step`` advances."""
+    precondition; ``maker.step`` advances.
+
+    Args:
+        scaled: a ``GradScaler`` drives the step (it skips a non-finite one itself;
+            only the curvature of such a pass is discarded). Without one, a
+            non-finite gradient skips the whole step under ``config.nonfinite``.
+
+    Returns:
+        False when the step was skipped (nothing updated, ``maker.step`` kept).
+    """
     from leantrain.precond._patterns import check_trainable
-    from leantrain.precond.preconditioned import all_finite
 
     check_trainable(maker)
     maker._check_total_steps()
     curvature_due = maker.config.curvature_due(maker.step)
     preconditioner_due = maker.config.preconditioner_due(maker.step)
+    # The finiteness checks of the maker's step: before a curvature update (the
+    # statistics), and after the preconditioning without a scaler (the policy).
     if curvature_due:
-        if recorder is not None:
-            recorder.collect(loss_scale)
-        grads = [p.grad for p in maker.model.parameters() if p.grad is not None]
-        if not all_finite(grads):
+        if not maker._gradients_are_finite():
+            if not scaled:  # the caller takes back the recording
+                maker._skip_nonfinite_step(True, "gradient")
+                return False
             # As the maker: discard this step's curvature, keep the gradient.
             curvature_due = preconditioner_due = False
             maker._skip_curvature("gradient")
-        else:
-            with curvature_arithmetic():
-                maker.update_curvature()
-            maker.curvature_updates += 1
-    with curvature_arithmetic():
-        if preconditioner_due:
-            maker.update_preconditioner()
-            maker.preconditioner_updates += 1
-        maker.precondition()
+            if recorder is not None:
+                recorder.stop()  # the recorded calls belong to no step
+    if curvature_due:
+        if recorder is not None:
+            recorder.collect(loss_scale)
+        with curvature_arithmetic():
+            maker.update_curvature()
+        maker.curvature_updates += 1
+    maker._apply_preconditioner(preconditioner_due)
+    if not scaled and not maker._gradients_are_finite():
+        maker._skip_nonfinite_step(False, "preconditioned gradient")
+        return False
     maker.step += 1
+    return True
 
 
 _HOOK_GUARDS = "skip_nnmodule_hook_guards"

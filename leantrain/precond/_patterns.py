@@ -145,7 +145,7 @@ def micro_batch(maker: Any, grad_scaler: Any) -> tuple[Any, Tensor]:
         maker._micro = 0
         scale_gradients(maker.model, 1.0 / scale)
         try:
-            finish_step(maker, recorder, scale)
+            finish_step(maker, recorder, scale, scaled=grad_scaler is not None)
         finally:
             if recorder is not None:
                 recorder.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from leantrain.precond._checks import (
+    check_choice,
     check_ignore_modules,
     check_int,
     check_open_unit,
@@ -66,6 +67,14 @@ class PreconditioningConfig:
     # forward_and_backward calls (micro-batches) per step; their losses must sum to
     # the mean loss over their union. The k-th call updates and preconditions.
     accumulation_steps: int = 1
+    # "sgd": each layer's preconditioned gradient is rescaled to the norm of its
+    # plain gradient (the optimizer's step size, the preconditioner's direction);
+    # None: the preconditioned gradient as the method defines it. See _safeguards.
+    grafting: str | None = None
+    # A step whose gradient is not finite, without a GradScaler (which skips such
+    # steps itself): "skip" (nothing is updated and .grad is cleared, so
+    # optimizer.step() changes nothing; warns each time) or "raise".
+    nonfinite: str = "skip"
 
     def __post_init__(self) -> None:
         check_int("curvature_interval", self.curvature_interval, minimum=1)
@@ -73,6 +82,8 @@ class PreconditioningConfig:
         check_int("warmup_steps", self.warmup_steps, minimum=0)
         check_positive_float("damping", self.damping)
         check_int("accumulation_steps", self.accumulation_steps, minimum=1)
+        check_choice("grafting", self.grafting, (None, "sgd"))
+        check_choice("nonfinite", self.nonfinite, ("skip", "raise"))
         if self.ema_decay is not None:
             check_open_unit("ema_decay", self.ema_decay)
         # Frozen: validated once, so normalise through object.__setattr__.

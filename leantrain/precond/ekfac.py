@@ -144,6 +144,7 @@ class EkfacGradientMaker(KronFactorMaker):
         self._collector.on_pass = self._passes.append
 
     def _discard_pass(self) -> None:
+        super()._discard_pass()
         self._passes.clear()  # a non-finite pass must not reach the next scaling
 
     def update_curvature(self) -> None:

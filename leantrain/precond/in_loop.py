@@ -277,9 +277,14 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         else:
             self._recorder.stop()
 
-    def _precondition(self, loss_scale: float = 1.0) -> None:
-        """What the maker's ``forward_and_backward`` runs after its pass."""
-        finish_step(self.maker, self._recorder, loss_scale)
+    def _skip_step(self) -> None:
+        """Leave no trace of this step: the recording and its Monte-Carlo draws
+        are taken back, the maker's step stays, the wrapped optimizer does not
+        step; record again before the next step if it is due."""
+        if self._recorder is not None and self._recorder.recording:
+            self._recorder.stop()
+            self.maker.generator.set_state(self._generator_state)
+        self._arm()
 
     # GradScaler.step(self) calls step() itself, with the scale and the inf check
     # as attributes (grad_scale, found_inf), instead of unscaling .grad first.
@@ -309,14 +314,20 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:  # GradScaler.step(self)
             if float(found_inf) > 0:  # the scaler skips this step: no trace of it
-                if self._recorder is not None and self._recorder.recording:
-                    self._recorder.stop()
-                    self.maker.generator.set_state(self._generator_state)
-                self._arm()
+                self._skip_step()
                 return loss
             grad_scale = getattr(self, "grad_scale", None)
             scale = amp_scale(self, grad_scale, self._grad_scaler)
-        self._precondition(scale)
+        try:
+            finished = finish_step(
+                self.maker, self._recorder, scale, scaled=found_inf is not None
+            )
+        except FloatingPointError:  # config.nonfinite="raise"
+            self._skip_step()
+            raise
+        if not finished:  # a non-finite gradient: skipped as GradScaler would
+            self._skip_step()
+            return loss
         self._arm()
         self.optimizer.step()
         return loss

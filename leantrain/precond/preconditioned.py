@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from leantrain.precond import _patterns
+from leantrain.precond import _patterns, _safeguards
 from leantrain.precond._checks import check_int
 from leantrain.precond._coverage import Coverage, coverage_of, warn_uncovered
 from leantrain.precond._denormal import curvature_arithmetic
@@ -129,6 +129,8 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         self.preconditioner_updates = 0
         # Curvature passes discarded for a non-finite loss or gradient (not saved).
         self.skipped_curvature_updates = 0
+        # Steps skipped by config.nonfinite="skip" (not saved).
+        self.nonfinite_steps = 0
         self._ema: dict[str, Tensor] = {}
         self._ema_counts: dict[str, int] = {}
         inner = unwrap_model(model)
@@ -303,28 +305,74 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         finally:
             self._scaling(None)
         _patterns.scale_gradients(self.model, 1.0 / scale)
-        if curvature_due:
-            if not self._pass_is_finite(loss):
-                # Overflow (e.g. fp16 under GradScaler) or divergence: this pass's
-                # curvature is discarded so the running estimate, the EMA and the
-                # inverses stay those of the last finite step. The gradient is
-                # written as it is (non-finite), for the scaler to skip the step.
-                curvature_due = preconditioner_due = False
-                self._skip_curvature("loss or gradient")
-            else:
-                with curvature_arithmetic():
-                    self.update_curvature()
-                self.curvature_updates += 1
-        # The model's own passes above run in the user's float mode; only the
-        # curvature arithmetic flushes subnormals (see _denormal.py for why).
+        if curvature_due and not self._pass_is_finite(loss):
+            if grad_scaler is None:
+                self._skip_nonfinite_step(curvature_due, "loss or gradient")
+                return output, loss
+            # Overflow under GradScaler: this pass's curvature is discarded so the
+            # running estimate, the EMA and the inverses stay those of the last
+            # finite step. The gradient is written as it is (non-finite), for the
+            # scaler to skip the step.
+            curvature_due = preconditioner_due = False
+            self._skip_curvature("loss or gradient")
+        elif curvature_due:
+            with curvature_arithmetic():
+                self.update_curvature()
+            self.curvature_updates += 1
+        self._apply_preconditioner(preconditioner_due)
+        # The non-finite policy's check (the one host synchronisation of a step
+        # that refreshes nothing) reads the preconditioned gradient: a NaN of the
+        # gradient reaches it, and so does one the preconditioner made.
+        if grad_scaler is None and not self._gradients_are_finite():
+            self._skip_nonfinite_step(False, "preconditioned gradient")
+            return output, loss
+        _patterns.scale_gradients(self.model, scale)
+        self.step += 1
+        return output, unscaled(loss, grad_scaler)
+
+    def _apply_preconditioner(self, preconditioner_due: bool) -> None:
+        """Rebuild the preconditioner if due, then precondition ``.grad`` (grafted
+        to the plain gradient's layer norms under ``config.grafting``).
+
+        The model's own passes run in the user's float mode; only the curvature
+        arithmetic flushes subnormals (see _denormal.py for why).
+        """
         with curvature_arithmetic():
             if preconditioner_due:
                 self.update_preconditioner()
                 self.preconditioner_updates += 1
+            if self.config.grafting is None:
+                self.precondition()
+                return
+            target = self._plain_layer_norms()
             self.precondition()
-        _patterns.scale_gradients(self.model, scale)
-        self.step += 1
-        return output, unscaled(loss, grad_scaler)
+            _safeguards.graft(self._layer_gradients(), target)
+
+    def _layer_gradients(self) -> list[list[Tensor]]:
+        """The ``.grad`` tensors of each preconditioned module (one list a module)."""
+        return [
+            [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+            for _, module in self.modules()
+        ]
+
+    def _plain_layer_norms(self) -> Tensor:
+        """Each preconditioned module's plain-gradient norm, before
+        :meth:`precondition` (makers that keep gradient pieces outside ``.grad``
+        add theirs)."""
+        return _safeguards.layer_norms(self._layer_gradients())
+
+    def _gradients_are_finite(self) -> bool:
+        return all_finite([p.grad for p in self.model.parameters() if p.grad is not None])
+
+    def _skip_nonfinite_step(self, curvature_due: bool, where: str) -> None:
+        """A step whose gradient is not finite, without a scaler: raise, or skip it
+        as ``GradScaler`` would (no update, the step counter stays, ``.grad``
+        cleared so that ``optimizer.step()`` leaves the parameters alone)."""
+        self._discard_pass()
+        self.skipped_curvature_updates += curvature_due
+        _safeguards.reject_nonfinite(self, where)
+        for p in self.model.parameters():
+            p.grad = None
 
     def _skip_curvature(self, what: str) -> None:
         """Discard this step's curvature pass (non-finite ``what``); warn once."""

@@ -334,26 +334,30 @@ def test_step_without_a_recorded_forward_raises():
         opt.step()
 
 
-def test_non_finite_step_discards_its_curvature():
-    # As the maker: a NaN gradient on a curvature step leaves factors, EMA and
-    # inverses as they were, warns once and counts the step.
+def test_non_finite_step_is_skipped_without_a_trace():
+    # As the maker: a NaN gradient skips the whole step as GradScaler would (no
+    # optimizer step, factors, EMA and inverses as they were, the step counter
+    # kept), warns and counts it.
     model = tiny_gpt()
     config = {"damping": 1e-2, "ema_decay": 0.8, **IGNORE}
     opt = precondition_in_loop(
-        torch.optim.SGD(model.parameters(), lr=0.0), model, "kfac", config=config
+        torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac", config=config
     )
     (x, t), (x2, t2) = batches(2)
     lm_loss(model(x), t).backward()
     opt.step()
     before = copy.deepcopy(opt.maker.state_dict())
     opt.zero_grad()
+    params = copy.deepcopy(model.state_dict())
     (lm_loss(model(x2), t2) * float("nan")).backward()
-    with pytest.warns(RuntimeWarning, match="non-finite"):
+    with pytest.warns(RuntimeWarning, match="non-finite gradient at step 1"):
         opt.step()
     after = opt.maker.state_dict()
-    assert opt.maker.skipped_curvature_updates == 1
+    assert opt.maker.skipped_curvature_updates == 1 == opt.maker.nonfinite_steps
     assert after["curvature_updates"] == before["curvature_updates"] == 1
-    assert after["step"] == 2
+    assert after["step"] == 1
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, params[key])
     for key, value in before["extra"]["factors"].items():
         torch.testing.assert_close(after["extra"]["factors"][key], value)
 

@@ -1,8 +1,12 @@
-"""A non-finite loss or gradient on a curvature step leaves the maker's state intact."""
+"""A non-finite loss or gradient leaves the maker's state intact: the step is skipped
+(``.grad`` cleared, so the optimizer changes nothing) with a warning each time, or
+raises under ``nonfinite="raise"``; under a GradScaler only the curvature is
+discarded and the scaler skips the step."""
 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -63,10 +67,11 @@ def test_nonfinite_curvature_pass_is_discarded(method):
 
     bad = x1.clone()
     bad[0, 0] = float("nan")
-    with pytest.warns(RuntimeWarning, match="non-finite"):
+    with pytest.warns(RuntimeWarning, match="non-finite gradient at step 1: the st"):
         grads = step(gm, net, bad, t1)
-    assert not all(torch.isfinite(g).all() for g in grads)  # passed on as it is
-    assert gm.skipped_curvature_updates == 1
+    assert all(g is None for g in grads)  # optimizer.step() leaves them alone
+    assert gm.skipped_curvature_updates == 1 and gm.nonfinite_steps == 1
+    assert gm.step == before["step"]  # the skipped step is not counted
     after = gm.state_dict()
     assert after["curvature_updates"] == before["curvature_updates"]
     assert after["preconditioner_updates"] == before["preconditioner_updates"]
@@ -123,3 +128,74 @@ def test_empty_batch_on_a_curvature_step(method):
     assert after["curvature_updates"] == before["curvature_updates"] == 0
     for a, b in zip(tensors(before), tensors(after), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("form", ["maker", "in_loop"])
+@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+def test_a_diverging_run_never_makes_a_parameter_nan_silently(form, method):
+    # Squared error on a ReLU net with SGD at lr 1 diverges: the loss overflows to
+    # inf, then NaN, within 30 steps (cross-entropy's gradient stays bounded).
+    from leantrain.precond import precondition_in_loop
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(5, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 3)
+    )
+    sgd = torch.optim.SGD(net.parameters(), lr=1.0, momentum=0.9)
+    config = {"damping": 1e-8}
+    kwargs = {"loss_type": "mse"} if method == "kfac" else {}
+    if form == "maker":
+        gm = make_gradient_maker(method, net, config=config, **kwargs)
+    else:
+        opt = precondition_in_loop(sgd, net, method, config=config, **kwargs)
+        gm = opt.maker
+    losses = []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(30):
+            x, t = torch.randn(8, 5), torch.randn(8, 3)
+            if form == "maker":
+                for p in net.parameters():
+                    p.grad = None
+                gm.setup_loss_call(F.mse_loss, gm.setup_model_call(net, x), t)
+                losses.append(float(gm.forward_and_backward()[1]))
+                sgd.step()
+            else:
+                loss = F.mse_loss(net(x), t)
+                loss.backward()
+                losses.append(float(loss))
+                opt.step()
+                opt.zero_grad()
+            assert all(torch.isfinite(p).all() for p in net.parameters())
+    assert not all(math.isfinite(v) for v in losses)  # it did diverge
+    skipped = [w for w in record if "the step is skipped" in str(w.message)]
+    assert gm.nonfinite_steps > 0 and len(skipped) == gm.nonfinite_steps  # each time
+
+
+@pytest.mark.parametrize("form", ["maker", "in_loop"])
+def test_nonfinite_raise_raises_and_changes_nothing(form):
+    from leantrain.precond import precondition_in_loop
+
+    net = model()
+    before = copy.deepcopy(net.state_dict())
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+    config = {"nonfinite": "raise"}
+    (x, t), _, _ = batches()
+    x = x.clone()
+    x[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="non-finite gradient at step 0"):
+        if form == "maker":
+            step(make_gradient_maker("kfac", net, config=config), net, x, t)
+        else:
+            opt = precondition_in_loop(sgd, net, "kfac", config=config)
+            F.cross_entropy(net(x), t).backward()
+            opt.step()
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_nonfinite_option_is_validated():
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        PreconditioningConfig(nonfinite="ignore")
+    with pytest.raises(ValueError, match="grafting must be one of"):
+        PreconditioningConfig(grafting="adam")
