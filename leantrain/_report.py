@@ -47,11 +47,21 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def progress_bar(total: int):  # -> tqdm (imported late: only the CLI needs it)
-    """A progress bar on stderr (stdout holds the table)."""
+def progress_bar(total: int, desc: str, unit: str = "step"):  # -> tqdm
+    """A progress bar of ``total`` ``unit``s on stderr (stdout holds the table),
+    labelled ``desc`` (tqdm is imported late: only the CLI needs it)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
+
+
+# Marks a table row timed while the machine was loaded (see compare_jobs.RunStats).
+UNDER_LOAD = "†"
+
+
+def mark_under_load(label: str, under_load: bool) -> str:
+    """``label`` with the :data:`UNDER_LOAD` marker when its run was under load."""
+    return f"{label} {UNDER_LOAD}" if under_load else label
 
 
 def write_report(
@@ -99,7 +109,7 @@ def train_each(
     ``steps * len(names)`` ticks (``train`` ticks ``bar`` once a step); a run that
     stops early (a failure) has its remaining ticks filled in."""
     results = []
-    with progress_bar(steps * len(names)) as bar:
+    with progress_bar(steps * len(names), "training steps") as bar:
         for k, name in enumerate(names):
             bar.set_description(label(name))
             results.append(train(name, bar))

@@ -8,7 +8,9 @@ batches in the same order) and reports final losses, optimizer state bytes per
 parameter and step times, each as a ratio to AdamW (:mod:`leantrain.compare`).
 ``--peers`` runs the published peer optimizers instead
 (:mod:`leantrain.compare_peers`), ``--precond`` the gradient-preconditioning methods
-against SGD and AdamW (:mod:`leantrain.compare_precond`). See docs/compare.md.
+against SGD and AdamW (:mod:`leantrain.compare_precond`). ``leantrain compare
+--help`` describes the axes, ``leantrain compare AXIS --help`` one axis' settings;
+``leantrain --version`` prints the version. See docs/compare.md.
 
 Extending: a subcommand is one entry in :data:`COMMANDS` (name -> (add_arguments,
 run)); optimizers and tasks are registries of :mod:`leantrain.compare`.
@@ -20,6 +22,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+import leantrain
 from leantrain.compare import OPTIMIZERS, TASKS, run_compare
 from leantrain.compare_axes import AXES, run_axes
 from leantrain.peers import PEERS
@@ -70,29 +73,119 @@ def _name_list(kind: str, registry: Sequence[str]) -> Callable[[str], list[str]]
     return parse
 
 
-def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``leantrain compare`` (defaults per model come from TASKS)."""
+# The options of every run of ``leantrain compare`` and their defaults.
+RUN_DEFAULTS = {"seed": 0, "out": "leantrain-compare", "threads": 1, "workers": 2}
+
+COMPARE_DESCRIPTION = (
+    "With no axis and no single-model option: the three axes (memory, curvature, "
+    "depth; listed at the end), each against its baseline on the embedded data, "
+    "their independent runs on --workers processes under one progress bar; prints "
+    "one table per axis and writes compare.md, compare.json and compare.png to "
+    "--out (docs/compare.md). 'leantrain compare AXIS' runs one axis, 'leantrain "
+    "compare AXIS --help' gives its settings. Any single-model option trains one "
+    "model with several optimizers instead."
+)
+
+
+def _add_run_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    seed_help: str,
+    workers_help: str,
+    defaults: bool,
+) -> None:
+    """``--seed``, ``--out``, ``--threads``, ``--workers``. An axis' parser leaves
+    them unset unless given (``defaults=False``): argparse copies a subcommand's
+    defaults over what ``leantrain compare`` parsed before it."""
+
+    def default(name: str):
+        return RUN_DEFAULTS[name] if defaults else argparse.SUPPRESS
+
     parser.add_argument(
-        "axis",
-        nargs="?",
-        choices=list(AXES),
-        help="run one axis (default: all three, unless a single-model option "
-        "such as --model or --optimizers is given)",
+        "--seed", type=int, default=default("seed"), help=f"{seed_help} (default 0)"
     )
     parser.add_argument(
+        "--out",
+        default=default("out"),
+        help="output folder (default leantrain-compare)",
+    )
+    # One thread by default: timings stay comparable and robust on shared machines
+    # (two threads on two busy cores made steps up to 10x slower here).
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=default("threads"),
+        help="torch threads per process (default 1)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=default("workers"),
+        help=f"{workers_help} (default 2)",
+    )
+
+
+def _add_axis_parsers(parser: argparse.ArgumentParser) -> None:
+    """``leantrain compare memory|curvature|depth``, each with its own help."""
+    axes = parser.add_subparsers(
+        dest="axis",
+        title="one axis (default: all three)",
+        metavar="AXIS",
+        prog=parser.prog,  # not derived from the usage line
+    )
+    for name, axis in AXES.items():
+        config = axis.config(argparse.Namespace(seed=RUN_DEFAULTS["seed"]))
+        sub = axes.add_parser(name, help=axis.title, description=axis.describe(config))
+        n_runs = len(axis.jobs(config))
+        _add_run_options(
+            sub,
+            seed_help=axis.seed_help,
+            workers_help=f"processes for the axis' {n_runs} independent runs",
+            defaults=False,
+        )
+        # Accepted only to be refused by dispatch_compare, naming the axis.
+        for dest, flag in SINGLE_MODEL_OPTIONS.items():
+            sub.add_argument(
+                flag,
+                dest=dest,
+                nargs="?",
+                const=True,
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``leantrain compare`` (defaults per model come from TASKS)."""
+    parser.description = COMPARE_DESCRIPTION
+    parser.usage = "%(prog)s [AXIS] [options]"
+    _add_run_options(
+        parser.add_argument_group("options of the axes and the single-model run"),
+        seed_help="axes: the seed (memory: the first of three); single model: "
+        "initial weights and data order",
+        workers_help="processes for the axes' independent runs (not used by the "
+        "single-model comparison)",
+        defaults=True,
+    )
+    single = parser.add_argument_group(
+        "single-model comparison",
+        "Any of these trains one seeded model with several optimizers instead of "
+        "running the axes.",
+    )
+    single.add_argument(
         "--model",
         choices=list(TASKS),
         default=None,
         help="gpt: GPT.default() on text (the default; with --precond: mlp); "
         "mlp, cnn: image classifiers",
     )
-    parser.add_argument(
+    single.add_argument(
         "--data",
         default=None,
         help="gpt: 'stdlib' (default) or a text file/folder; mlp/cnn: 'digits' "
         "(default) or a folder of <class>/*.png",
     )
-    what = parser.add_mutually_exclusive_group()
+    what = single.add_mutually_exclusive_group()
     what.add_argument(
         "--optimizers",
         type=_name_list("optimizer", list(OPTIMIZERS)),
@@ -116,34 +209,15 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for option, attr in [("--steps", "steps"), ("--batch-size", "batch_size")]:
         defaults = ", ".join(f"{k}: {getattr(v, attr)}" for k, v in TASKS.items())
-        parser.add_argument(option, type=_positive_int, help=f"default {defaults}")
+        single.add_argument(option, type=_positive_int, help=f"default {defaults}")
     lrs = ", ".join(f"{k}: {v.lr}" for k, v in TASKS.items())
-    parser.add_argument(
+    single.add_argument(
         "--lr",
         type=_positive_float,
         help=f"default {lrs} (with --precond: AdamW's only; the methods use the "
         "registry's)",
     )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="model init and data order (default 0)"
-    )
-    parser.add_argument(
-        "--out", default="leantrain-compare", help="output folder (%(default)s)"
-    )
-    # One thread by default: timings stay comparable and robust on shared machines
-    # (two threads on two busy cores made steps up to 10x slower here).
-    parser.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=1,
-        help="torch threads (per process with the axes; %(default)s)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=2,
-        help="processes for the axes' independent runs (%(default)s)",
-    )
+    _add_axis_parsers(parser)
 
 
 def dispatch_compare(args: argparse.Namespace) -> list:
@@ -184,6 +258,9 @@ COMMAND_HELP = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="leantrain", description="Cheaper deep-network training in PyTorch."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"leantrain {leantrain.__version__}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_arguments, _) in COMMANDS.items():

@@ -5,7 +5,11 @@ Each axis (:mod:`leantrain.compare_memory`, :mod:`leantrain.compare_curvature`,
 (:class:`~leantrain.compare_jobs.Job`); all runs of the axes asked for go to one
 pool of worker processes, one torch thread each, under one progress bar. Then every
 axis prints its table, and ``--out`` gets ``compare.md`` (a section per axis),
-``compare.json`` (every number) and ``compare.png`` (a panel per axis).
+``compare.json`` (every number) and ``compare.png`` (a panel per axis). Every axis
+reports the 1-minute load average when its first run started and when its last one
+ended; a row timed while the load average was above the CPU cores of the machine
+(:func:`~leantrain.compare_jobs.load_limit`) carries the marker ``†`` and a
+footnote.
 
 Extending: an axis is one :class:`Axis` entry in :data:`AXES`.
 """
@@ -25,16 +29,30 @@ from pathlib import Path
 from typing import Any
 
 from leantrain import compare_curvature, compare_depth, compare_memory
-from leantrain._report import versions
-from leantrain.compare_jobs import Job, run_jobs
+from leantrain._report import UNDER_LOAD, versions
+from leantrain.compare_jobs import (
+    Job,
+    RunStats,
+    load_average,
+    load_limit,
+    run_jobs,
+    runs_description,
+)
 
 
 @dataclass(frozen=True)
 class Axis:
-    """How one axis is configured, run, summarised, printed and drawn."""
+    """How one axis is configured, run, summarised, printed and drawn.
+
+    ``describe(config)`` and ``seed_help`` are its ``leantrain compare AXIS --help``;
+    ``table`` may mark rows with ``summary["under_load"]``, the keys of the jobs
+    timed under load.
+    """
 
     title: str
     config: Callable[[argparse.Namespace], Any]  # the options -> its config
+    describe: Callable[[Any], str]
+    seed_help: str
     jobs: Callable[[Any], list[Job]]
     summarise: Callable[[Any, Mapping], dict]
     settings: Callable[[Any, dict], str]
@@ -85,21 +103,12 @@ def _curvature_verdict(summary: dict, config) -> str:
     return " ".join(parts)
 
 
-def _depth_verdict(summary: dict, config) -> str:
-    t = summary["timing"]
-    p = summary["projected"]["measured"]
-    return (
-        f"Measured on 2 processes: {t.speedup:.2f}x serial; projected for "
-        f"{config.projected_layers} layers: "
-        + ", ".join(f"{s:.2f}x at {r}" for r, s in p.items())
-        + " ranks (messages as measured)."
-    )
-
-
 AXES: dict[str, Axis] = {
     "memory": Axis(
         title="memory: AdamW against Gefen 8-bit and 4-bit",
         config=_memory_config,
+        describe=compare_memory.describe,
+        seed_help="the first of the seeds: --seed, --seed + 1, --seed + 2",
         jobs=compare_memory.jobs,
         summarise=compare_memory.summarise,
         settings=compare_memory.settings,
@@ -114,6 +123,8 @@ AXES: dict[str, Axis] = {
         config=lambda args: dataclasses.replace(
             compare_curvature.DEFAULT, seed=args.seed
         ),
+        describe=compare_curvature.describe,
+        seed_help="the MLP's initial weights and the order of the batches",
         jobs=compare_curvature.jobs,
         summarise=compare_curvature.summarise,
         settings=compare_curvature.settings,
@@ -126,6 +137,8 @@ AXES: dict[str, Axis] = {
     "depth": Axis(
         title="depth: the serial stack against LayerParallel",
         config=lambda args: dataclasses.replace(compare_depth.DEFAULT, seed=args.seed),
+        describe=compare_depth.describe,
+        seed_help="the GPT's initial weights and the batch",
         jobs=compare_depth.jobs,
         summarise=compare_depth.summarise,
         settings=compare_depth.settings,
@@ -133,7 +146,7 @@ AXES: dict[str, Axis] = {
         table=compare_depth.table,
         record=compare_depth.record,
         plot=compare_depth.plot,
-        verdict=_depth_verdict,
+        verdict=compare_depth.verdict,
     ),
 }
 
@@ -153,27 +166,58 @@ def _write_plot(panels: list[tuple[Axis, dict, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _load() -> float:
-    """The 1-minute load average (NaN where the platform has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return float("nan")
-
-
 def _fmt_load(value: float) -> str:
     return "unknown" if value != value else f"{value:.1f}"
+
+
+def _load_record(jobs: list[Job], stats: Mapping[Any, RunStats]) -> dict:
+    """The load average over an axis' runs: when the first started, when the last
+    ended, per run (before, after), and the runs above the limit."""
+    runs = [stats[job.key] for job in jobs]
+    return {
+        "start": min(runs, key=lambda r: r.started).load_before,
+        "end": max(runs, key=lambda r: r.ended).load_after,
+        "limit": load_limit(),
+        "runs": {
+            j.label: [stats[j.key].load_before, stats[j.key].load_after] for j in jobs
+        },
+        "under_load": [j.label for j in jobs if stats[j.key].under_load],
+    }
+
+
+def _load_text(load: dict, table: str) -> str:
+    """The axis' load line, and the footnote of the rows its table marked."""
+    text = (
+        f"Machine load (1-minute load average) over this axis' runs: "
+        f"{_fmt_load(load['start'])} when the first started, "
+        f"{_fmt_load(load['end'])} when the last ended."
+    )
+    if UNDER_LOAD in table:
+        limit = load["limit"]
+        peak = max(x for v in load["runs"].values() for x in v if x > limit)
+        text += (
+            f"\n\n{UNDER_LOAD} Measured under load: the load average passed "
+            f"{limit}, the CPU cores of this machine, during the runs of the marked "
+            f"rows (it reached {peak:.1f}), so other work shared the cores and "
+            "their times are slower and noisier than on an idle machine."
+        )
+    return text
 
 
 def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
     """Run the axes ``names``; print the tables; write compare.{md,json,png}."""
     start = time.perf_counter()
-    load_start = _load()
+    load_start = load_average()
     configs = {name: AXES[name].config(args) for name in names}
-    jobs = [job for name in names for job in AXES[name].jobs(configs[name])]
-    results, cpu = run_jobs(jobs, workers=args.workers, threads=args.threads)
+    axis_jobs = {name: AXES[name].jobs(configs[name]) for name in names}
+    jobs = [job for name in names for job in axis_jobs[name]]
+    results, stats = run_jobs(jobs, workers=args.workers, threads=args.threads)
     wall_s = time.perf_counter() - start
     summaries = {name: AXES[name].summarise(configs[name], results) for name in names}
+    for name in names:
+        summaries[name]["under_load"] = {
+            job.key for job in axis_jobs[name] if stats[job.key].under_load
+        }
     command = "leantrain " + shlex.join(args.argv)
     md = ["# leantrain compare", "", f"Command: `{command}`", ""]
     record: dict[str, Any] = {"command": command, "axes": {}}
@@ -182,13 +226,17 @@ def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
         settings = axis.settings(config, summary)
         table = axis.table(summary, config)
         verdict = axis.verdict(summary, config)
-        print(f"\n## {axis.title}\n{settings}\n\n{table}\n\n{verdict}")
+        load = _load_record(axis_jobs[name], stats)
+        load_text = _load_text(load, table)
+        print(f"\n## {axis.title}\n{settings}\n\n{table}\n\n{load_text}\n\n{verdict}")
         md += [
             f"## {axis.title}",
             "",
             settings + ". " + axis.explanation(summary),
             "",
             table,
+            "",
+            load_text,
             "",
             verdict,
             "",
@@ -197,16 +245,18 @@ def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
             "settings": settings,
             "config": dataclasses.asdict(config),
             "verdict": verdict,
+            "load_average": load,
             **axis.record(summary),
         }
-    workers = f"{args.workers} process" + ("es" if args.workers > 1 else "")
-    load = (load_start, _load())
+    load = (load_start, load_average())
     after = (
-        f"Wall time of the whole comparison: {wall_s:.1f} s ({len(jobs)} runs on "
-        f"{workers}, {args.threads} torch thread each; machine load, the 1-minute "
+        f"Wall time of the whole comparison: {wall_s:.1f} s "
+        f"({runs_description(jobs, args.workers)}, {args.threads} torch thread "
+        f"each; machine load, the 1-minute "
         f"load average, {_fmt_load(load[0])} at the start and {_fmt_load(load[1])} "
         f"at the end, on {os.cpu_count()} cores). CPU time of the runs (the "
-        f"two-process timing's processes not counted): {sum(cpu.values()):.1f} s."
+        f"two-process timing's processes not counted): "
+        f"{sum(r.cpu_s for r in stats.values()):.1f} s."
     )
     print(f"\n{after}")
     run_versions = versions()
@@ -215,7 +265,7 @@ def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
         wall_s=wall_s,
         workers=args.workers,
         load_average=list(load),
-        cpu_s={job.label: cpu[job.key] for job in jobs},
+        cpu_s={job.label: stats[job.key].cpu_s for job in jobs},
         cpu_count=os.cpu_count(),
         versions=run_versions,
     )

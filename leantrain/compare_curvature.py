@@ -17,7 +17,13 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-from leantrain._report import failed_row, fmt, markdown_table, moving_average
+from leantrain._report import (
+    failed_row,
+    fmt,
+    mark_under_load,
+    markdown_table,
+    moving_average,
+)
 from leantrain.compare import TASKS
 from leantrain.compare_jobs import Job
 from leantrain.compare_precond import (
@@ -161,6 +167,7 @@ def table(summary: dict) -> str:
     rows = summary["rows"]
     base = rows[0]
     body = [COLUMNS, ["---"] + ["---:"] * 8 + ["---"]]
+    under_load = summary.get("under_load", ())
     for r in rows:
         if r.status != "ok":
             body.append(failed_row(r.name, r.status, r.note, len(COLUMNS)))
@@ -169,7 +176,7 @@ def table(summary: dict) -> str:
         secs = "-" if r.seconds_to_target is None else f"{r.seconds_to_target:.2f}"
         body.append(
             [
-                r.name,
+                mark_under_load(r.name, ("curvature", r.name) in under_load),
                 steps,
                 _ratio(r.steps_to_target, base.steps_to_target),
                 secs,
@@ -190,6 +197,19 @@ def settings(config: CurvatureConfig, summary: dict) -> str:
         f"{_task(config).description}; {config.steps} steps, batch "
         f"{config.batch_size}, AdamW lr {config.lr}, seed {config.seed}; target = "
         f"AdamW's train loss {summary['target']:.4f}"
+    )
+
+
+def describe(config: CurvatureConfig) -> str:
+    """What the axis runs, for ``leantrain compare curvature --help``."""
+    c = config
+    return (
+        f"AdamW (lr {c.lr}) against {', '.join(c.methods)} (each feeding "
+        "SGD(momentum=0.9) with the registry's learning rate): the MLP "
+        f"64-512-512-10 trains on the 8x8 digits ('{c.data}') for {c.steps} steps "
+        f"of {c.batch_size} images, from the same weights on the same batches; the "
+        "target is AdamW's final training loss, and the table says how many steps "
+        "and seconds each method takes to reach it."
     )
 
 

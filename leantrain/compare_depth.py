@@ -14,24 +14,27 @@ forward and adjoint). The table gives
 * the step time of the stack on two gloo processes (one thread each) against the
   serial step on one, measured in the same two processes
   (:func:`~.layer_parallel.timing.measure_two_process`), and the simulator's
-  prediction of that two-process step from the per-layer times and the message cost
-  measured there;
+  serial and two-process steps from the per-layer times and the message cost
+  measured there: both as milliseconds and as a speedup over serial, the numbers
+  the panel plots;
 * the simulator's projected speedup over serial at 8, 32 and 128 ranks for a stack
   of ``projected_layers`` of the same blocks, from those layer times, under the
   message cost measured here and under a GPU interconnect (10 us, 25 GB/s).
 
 The two-process timing needs both cores, so it runs alone, before the other axes'
-runs start.
+runs start. :func:`verdict` says in one sentence what the numbers mean on this
+machine, worded from them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
-from leantrain._report import fmt, markdown_table
+from leantrain._report import fmt, mark_under_load, markdown_table
 from leantrain.compare_jobs import Job
 from leantrain.layer_parallel.simulate import CommModel, simulate
 from leantrain.layer_parallel.timing import StackSpec, measure_two_process
@@ -213,53 +216,111 @@ def summarise(config: DepthConfig, results: Mapping) -> dict:
     return {
         "accuracy": accuracy,
         "timing": timing,
+        "simulated_two_serial": simulated_two.serial,
         "simulated_two_step": simulated_two.step,
         "simulated_two_speedup": simulated_two.speedup,
         "projected": projected,
     }
 
 
+PROJECTIONS = {  # summary["projected"] key -> its label in the table and the plot
+    "measured": "messages as measured",
+    "gpu": "GPU interconnect (10 us, 25 GB/s)",
+}
+
+
 def table(summary: dict, config: DepthConfig) -> str:
-    """Markdown table of the depth axis (quantity, value)."""
+    """Three Markdown tables of the depth axis: accuracy and the simulator's inputs
+    (one number a row), the 2-process step measured and simulated (ms, speedup),
+    and the projected speedups (one column a rank count)."""
     a, t = summary["accuracy"], summary["timing"]
+    timed = ("depth", "timing") in summary.get("under_load", ())
+
+    def marked(label: str) -> str:  # a row from the two-process timing
+        return mark_under_load(label, timed)
+
     lt = t.layers
-    layer_ms = " / ".join(
-        f"{v * 1e3:.3f}"
-        for v in (lt.forward, lt.forward_record, lt.backward, lt.backward_params)
+    layer_ms = {
+        "layer forward (ms)": lt.forward,
+        "layer forward with graph (ms)": lt.forward_record,
+        "layer VJP (ms)": lt.backward,
+        "layer VJP with parameters (ms)": lt.backward_params,
+    }
+    quantities = markdown_table(
+        [
+            ["quantity", "value"],
+            ["---", "---:"],
+            ["output rel. difference, parallel vs serial", f"{a.output_rel_diff:.2e}"],
+            ["gradient rel. difference (all parameters)", f"{a.grad_rel_diff:.2e}"],
+            ["MGRIT convergence factor, forward", f"{a.forward_factor:.3f}"],
+            ["MGRIT convergence factor, adjoint", f"{a.backward_factor:.3f}"],
+            *([marked(k), f"{v * 1e3:.3f}"] for k, v in layer_ms.items()),
+            [marked("message latency (us)"), f"{t.comm.latency * 1e6:.0f}"],
+            [marked("message bandwidth (MB/s)"), f"{t.comm.bandwidth / 1e6:.0f}"],
+        ]
     )
-    rows = [
-        ["quantity", "value"],
-        ["---", "---:"],
-        ["output rel. difference, parallel vs serial", f"{a.output_rel_diff:.2e}"],
-        ["gradient rel. difference (all parameters)", f"{a.grad_rel_diff:.2e}"],
+    steps = markdown_table(
         [
-            "MGRIT convergence factor, forward / adjoint",
-            f"{a.forward_factor:.3f} / {a.backward_factor:.3f}",
-        ],
-        ["serial step, 1 process (ms)", f"{t.serial * 1e3:.1f}"],
-        ["layer-parallel step, 2 processes (ms)", f"{t.parallel * 1e3:.1f}"],
-        ["measured speedup, 2 processes vs serial", f"{t.speedup:.2f}x"],
+            [
+                f"step of the {config.n_layer}-block stack",
+                "serial, 1 process (ms)",
+                "layer-parallel, 2 processes (ms)",
+                "speedup vs serial (x)",
+            ],
+            ["---", "---:", "---:", "---:"],
+            [
+                marked("measured"),
+                f"{t.serial * 1e3:.1f}",
+                f"{t.parallel * 1e3:.1f}",
+                f"{t.speedup:.2f}",
+            ],
+            [
+                marked("simulated from the layer times and messages above"),
+                f"{summary['simulated_two_serial'] * 1e3:.1f}",
+                f"{summary['simulated_two_step'] * 1e3:.1f}",
+                f"{summary['simulated_two_speedup']:.2f}",
+            ],
+        ]
+    )
+    header = [f"projected speedup vs serial (x), {config.projected_layers} layers"]
+    projections = markdown_table(
         [
-            "simulated 2-process step (ms) / measured",
-            f"{summary['simulated_two_step'] * 1e3:.1f} / "
-            f"{summary['simulated_two_step'] / t.parallel:.2f}",
-        ],
-        ["layer fwd / fwd+graph / vjp / vjp+params (ms)", layer_ms],
-        [
-            "message latency (us) / bandwidth (MB/s)",
-            f"{t.comm.latency * 1e6:.0f} / {t.comm.bandwidth / 1e6:.0f}",
-        ],
-    ]
-    n = config.projected_layers
-    for name, label in (
-        ("measured", "messages as measured"),
-        ("gpu", "GPU interconnect 10 us, 25 GB/s"),
-    ):
-        cells = ", ".join(
-            f"{p}: {fmt(s, '.2f')}x" for p, s in summary["projected"][name].items()
+            header + [f"{p} ranks" for p in config.ranks],
+            ["---"] + ["---:"] * len(config.ranks),
+            *(
+                [marked(label)]
+                + [fmt(v, ".2f") for v in summary["projected"][k].values()]
+                for k, label in PROJECTIONS.items()
+            ),
+        ]
+    )
+    return f"{quantities}\n\n{steps}\n\n{projections}"
+
+
+def verdict(summary: dict, config: DepthConfig) -> str:
+    """One sentence, worded from the numbers: what the depth axis means here."""
+    measured = summary["timing"].speedup
+    if round(measured, 2) == 1:
+        pace = "as fast as"
+    else:
+        pace = "slower than" if measured < 1 else "faster than"
+    timed = ("depth", "timing") in summary.get("under_load", ())
+    projected = summary["projected"]["measured"]
+    faster = [str(p) for p, v in projected.items() if v > 1]
+    at = ", ".join(f"{v:.2f}x at {p}" for p, v in projected.items())
+    return (
+        f"On 2 processes of this {os.cpu_count()}-core CPU layer-parallel is {pace} "
+        f"serial ({measured:.2f}x measured{' under load' if timed else ''}, "
+        f"{summary['simulated_two_speedup']:.2f}x simulated from the layer times "
+        "and message cost measured here); the projection is what that simulator "
+        f"predicts for {config.projected_layers} of these layers (cf = {config.cf}) "
+        f"on more ranks, messages as measured: {at} ranks, "
+        + (
+            f"faster than serial at {', '.join(faster)} ranks."
+            if faster
+            else "slower than serial at every one of them."
         )
-        rows.append([f"projected speedup, {n} layers, {label} (ranks: x)", cells])
-    return markdown_table(rows)
+    )
 
 
 def settings(config: DepthConfig, summary: dict) -> str:
@@ -282,8 +343,10 @@ EXPLANATION = (
     "forward and backward of the block stack, one thread per process, the serial "
     "step in the same two processes while the other waits; the speedup is serial / "
     "parallel. Simulated and projected steps: the schedule simulator fed with the "
-    "layer times and the message cost measured in this run (serial = N layers of "
-    "forward with graph and backward with parameters)."
+    "layer times and the message cost measured in this run (its serial step = N "
+    "layers of forward with graph and VJP with parameters); the simulated row's "
+    "speedup is its serial over its layer-parallel step, as in the projections, "
+    "and the panel plots the two speedups of the table at 2 ranks."
 )
 
 
@@ -298,6 +361,7 @@ def record(summary: dict) -> dict:
         "layer_times_s": asdict(t.layers),
         "latency_s": t.comm.latency,
         "bandwidth_bytes_per_s": t.comm.bandwidth,
+        "simulated_two_serial_s": summary["simulated_two_serial"],
         "simulated_two_step_s": summary["simulated_two_step"],
         "simulated_two_speedup": summary["simulated_two_speedup"],
         "projected_speedup": {
@@ -308,23 +372,47 @@ def record(summary: dict) -> dict:
 
 
 def plot(ax, summary: dict, config: DepthConfig) -> None:
-    """Speedup over serial against ranks: measured, simulated, projected."""
-    for name, label in (
-        ("measured", "projected, messages as measured"),
-        ("gpu", "projected, GPU interconnect"),
-    ):
+    """Speedup over serial against ranks: the projections and the 2-process step,
+    measured and simulated (the numbers of :func:`table`, labelled with them)."""
+    for name, label in PROJECTIONS.items():
         by_rank = summary["projected"][name]
-        ax.plot(list(by_rank), list(by_rank.values()), "o-", label=label)
+        ax.plot(
+            list(by_rank), list(by_rank.values()), "o-", label=f"projected, {label}"
+        )
     t = summary["timing"]
-    ax.plot([2], [t.speedup], "k*", markersize=12, label="measured, 2 processes")
-    ax.plot([2], [summary["simulated_two_speedup"]], "kx", label="simulated, 2")
+    timed = ("depth", "timing") in summary.get("under_load", ())
+    points = (
+        ("measured, 2 processes" + (" (under load)" if timed else ""), t.speedup),
+        ("simulated, 2 processes", summary["simulated_two_speedup"]),
+    )
+    for (label, value), style in zip(points, ("k*", "kx"), strict=True):
+        ax.plot([2], [value], style, markersize=10, label=label)
+        ax.annotate(
+            f"{value:.2f}x", (2, value), xytext=(6, 0), textcoords="offset points"
+        )
     ax.axhline(1.0, color="0.5", linestyle=":")
     ax.set_xscale("log", base=2)
     ticks = [2, *config.ranks]
     ax.set_xticks(ticks, [str(p) for p in ticks])
     ax.set(
         xlabel="ranks",
-        ylabel="speedup over serial",
+        ylabel="speedup vs serial (x)",
         title=f"depth: {config.projected_layers}-layer projection",
     )
     ax.legend(fontsize=7)
+
+
+def describe(config: DepthConfig) -> str:
+    """What the axis runs, for ``leantrain compare depth --help``."""
+    c = config
+    return (
+        f"The serial stack against LayerParallel: a GPT of {c.n_layer} blocks "
+        f"(d_model {c.d_model}, {c.n_head} heads, context {c.tokens}, batch "
+        f"{c.batch}, fp32) on the embedded text '{c.data}', run with its own "
+        f"residual stack and with MGRIT (L={c.levels}, cf={c.cf}, {c.fwd_iters} "
+        f"forward / {c.bwd_iters} adjoint cycles): the output and gradient "
+        "differences, the convergence factors, the step times on two gloo "
+        f"processes (median of {c.repeats} rounds; this timing runs alone, first) "
+        f"and the simulator's projection to {', '.join(map(str, c.ranks))} ranks "
+        f"for {c.projected_layers} layers."
+    )

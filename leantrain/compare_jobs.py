@@ -6,13 +6,17 @@ so that it can be sent to a spawned worker. :func:`run_jobs` runs the exclusive 
 first, one at a time in this process (they start their own processes and need every
 core, e.g. the two-process layer-parallel timing), then the others on ``workers``
 processes with one torch thread each, longest first. Every job ticks one progress
-bar through a queue (a training run once per step).
+bar through a queue (a training run once per step), and records the CPU time it
+used and the 1-minute load average when it started and when it ended
+(:class:`RunStats`), so that a slow run can be told from a loaded machine.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import multiprocessing
+import os
 import queue as queue_module
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -45,6 +49,54 @@ class Job:
     kwargs: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RunStats:
+    """What a job cost and how busy the machine was while it ran.
+
+    ``cpu_s``: CPU seconds of the process that ran it (an exclusive job's own child
+    processes not counted); ``load_before``, ``load_after``: the 1-minute load
+    average at its start and its end (NaN where the platform has none);
+    ``started``, ``ended``: ``time.time()`` then.
+    """
+
+    cpu_s: float
+    load_before: float
+    load_after: float
+    started: float
+    ended: float
+
+    @property
+    def under_load(self) -> bool:
+        """The load average passed :func:`load_limit` at the start or the end."""
+        return any(v > load_limit() for v in (self.load_before, self.load_after))
+
+
+def load_average() -> float:
+    """The 1-minute load average (NaN where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return math.nan
+
+
+def load_limit() -> int:
+    """The load average above which a run counts as measured under load: the CPU
+    cores of the machine (more runnable tasks than cores: some of them waited)."""
+    return os.cpu_count() or 1
+
+
+def runs_description(jobs: Sequence[Job], workers: int) -> str:
+    """``"14 runs on 2 processes"``: the count of the progress bar and the report."""
+    return f"{len(jobs)} runs on {workers} process" + ("es" if workers > 1 else "")
+
+
+def _measure(job: Job, progress: Callable[[], None]) -> tuple[Any, RunStats]:
+    started, before, cpu = time.time(), load_average(), time.process_time()
+    result = job.fn(*job.args, progress=progress, **job.kwargs)
+    cpu = time.process_time() - cpu
+    return result, RunStats(cpu, before, load_average(), started, time.time())
+
+
 def _init_worker(ticks, threads: int) -> None:
     global _TICKS
     _TICKS = ticks
@@ -55,16 +107,16 @@ def _tick() -> None:
     _TICKS.put(1)
 
 
-def _run_in_worker(job: Job) -> tuple[Any, float]:
-    cpu = time.process_time()
-    result = job.fn(*job.args, progress=_tick, **job.kwargs)
-    return result, time.process_time() - cpu
+def _run_in_worker(job: Job) -> tuple[Any, RunStats]:
+    return _measure(job, _tick)
 
 
 def run_jobs(jobs: Sequence[Job], workers: int, threads: int = 1) -> tuple[dict, dict]:
-    """Run every job; returns ``{job.key: result}`` and ``{job.key: CPU seconds}``
-    (the CPU time of the process that ran it, during the job; an exclusive job's
-    own child processes are not counted).
+    """Run every job; returns ``{job.key: result}`` and ``{job.key: RunStats}``.
+
+    The progress bar counts the jobs' ticks (training steps; a job that is not a
+    training run ticks once) and names the runs as the report does
+    (:func:`runs_description`).
 
     ``workers == 1`` runs everything in this process (no spawn cost; the tests use
     it). An exception in a job is raised here, naming the job.
@@ -75,41 +127,39 @@ def run_jobs(jobs: Sequence[Job], workers: int, threads: int = 1) -> tuple[dict,
     if len(set(keys)) != len(keys):
         raise ValueError(f"job keys must be unique, got {keys}")
     results: dict = {}
-    cpu: dict = {}
+    stats: dict = {}
     total = sum(j.ticks for j in jobs)
-    with progress_bar(total) as bar:
+    with progress_bar(total, f"steps of {runs_description(jobs, workers)}") as bar:
         pooled = sorted((j for j in jobs if not j.exclusive), key=lambda j: -j.cost)
         local = [j for j in jobs if j.exclusive]
         if workers == 1:
             local += pooled
             pooled = []
         for job in local:
-            bar.set_description(job.label)
+            bar.set_postfix_str(job.label)
             before = bar.n
             previous = torch.get_num_threads()
             torch.set_num_threads(threads)
-            start = time.process_time()
             try:
-                results[job.key] = job.fn(*job.args, progress=bar.update, **job.kwargs)
-                cpu[job.key] = time.process_time() - start
+                results[job.key], stats[job.key] = _measure(job, bar.update)
             except Exception as err:
                 raise RuntimeError(f"compare run {job.label!r} failed: {err}") from err
             finally:
                 torch.set_num_threads(previous)
             bar.update(max(0, before + job.ticks - bar.n))  # a job may tick less
         if pooled:
-            for key, (result, seconds) in _run_pool(
+            bar.set_postfix_str("")
+            for key, (result, run_stats) in _run_pool(
                 pooled, workers, threads, bar
             ).items():
-                results[key], cpu[key] = result, seconds
-    return results, cpu
+                results[key], stats[key] = result, run_stats
+    return results, stats
 
 
 def _run_pool(jobs: Sequence[Job], workers: int, threads: int, bar) -> dict:
     ctx = multiprocessing.get_context("spawn")  # no fork of a threaded parent
     ticks = ctx.Queue()
     results = {}
-    bar.set_description(f"{len(jobs)} runs on {workers} processes")
     start = bar.n
     with concurrent.futures.ProcessPoolExecutor(
         max_workers=workers,

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from leantrain._report import fmt, markdown_table
+from leantrain._report import fmt, mark_under_load, markdown_table
 from leantrain._schedule import warmup_cosine
 from leantrain._stats import ratio_interval
 from leantrain.compare import OPTIMIZER_LABELS, RunResult, Task, train_one
@@ -222,10 +222,12 @@ def table(summary: dict, config: MemoryConfig) -> str:
         "verdict",
     ]
     body = [header, ["---"] + ["---:"] * 7 + ["---"]]
+    under_load = summary.get("under_load", ())
     for r in rows:
+        timed = any(("memory", r.name, s) in under_load for s in config.seeds)
         body.append(
             [
-                OPTIMIZER_LABELS.get(r.name, r.name),
+                mark_under_load(OPTIMIZER_LABELS.get(r.name, r.name), timed),
                 fmt(r.state_bytes_per_param, ".3f"),
                 fmt(r.state_bytes_per_param / base.state_bytes_per_param, ".3f"),
                 fmt(r.step_ms, ".2f"),
@@ -246,6 +248,21 @@ def settings(config: MemoryConfig, summary: dict) -> str:
         f"{first.description}; {config.steps} steps, batch {config.batch_size}, "
         f"lr {config.lr} with a {config.warmup}-step warm-up and a cosine decay to "
         f"10 %, seeds {', '.join(map(str, config.seeds))}"
+    )
+
+
+def describe(config: MemoryConfig) -> str:
+    """What the axis runs, for ``leantrain compare memory --help``."""
+    c = config
+    names = ", ".join(OPTIMIZER_LABELS.get(n, n) for n in c.optimizers)
+    return (
+        f"AdamW against Gefen: {names} each train a GPT (d_model {c.d_model}, "
+        f"{c.n_layer} block(s), {c.n_head} heads, context {c.block_size}) on the "
+        f"embedded text '{c.data}' for {c.steps} steps of {c.batch_size} sequences, "
+        f"lr {c.lr} with a {c.warmup}-step warm-up and a cosine decay to 10 %, once "
+        f"per seed ({len(c.seeds)} seeds from --seed), from the same weights on the "
+        "same batches within a seed; the verdict is worded from the paired ratios "
+        "of the validation loss to AdamW's and their 95 % interval."
     )
 
 

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from leantrain.cli import main
+from leantrain import compare_curvature, compare_depth, compare_memory
+from leantrain.cli import build_parser, main
 from leantrain.compare import METRICS, OPTIMIZERS
 from leantrain.compare_peers import PEER_COLUMNS
 from leantrain.data import load_stdlib_text
@@ -292,6 +293,80 @@ def test_bad_peer_and_method_names_exit_2(argv, needles, capsys, tmp_path):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert all(n in err for n in needles), err
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def test_compare_help_describes_the_three_axes_and_groups_the_options(capsys):
+    text = _help(capsys, "compare")
+    assert "usage: leantrain compare [AXIS] [options]" in text
+    assert "With no axis and no single-model option: the three axes" in text
+    for axis in ("memory", "curvature", "depth"):
+        assert f" {axis} {axis}: " in text  # "memory memory: AdamW against ..."
+    # The options of the axes come first, the single-model ones under their heading.
+    single = text.index("single-model comparison: Any of these")
+    assert text.index("--seed SEED") < single < text.index("--steps STEPS")
+    assert text.index("--workers WORKERS") < single < text.index("--model")
+    assert "(default 2)" in text and "output folder (default leantrain-compare)" in text
+
+
+M, C, D = compare_memory.DEFAULT, compare_curvature.DEFAULT, compare_depth.DEFAULT
+
+
+@pytest.mark.parametrize(
+    "axis, settings, runs",
+    [
+        (
+            "memory",
+            [f"for {M.steps} steps of {M.batch_size} sequences", f"lr {M.lr}"],
+            len(M.optimizers) * len(M.seeds),
+        ),
+        (
+            "curvature",
+            [f"for {C.steps} steps of {C.batch_size} images", *C.methods],
+            1 + len(C.methods),
+        ),
+        (
+            "depth",
+            [f"a GPT of {D.n_layer} blocks", f"median of {D.repeats} rounds"],
+            2,
+        ),
+    ],
+)
+def test_axis_help_shows_its_own_settings_and_options(axis, settings, runs, capsys):
+    text = _help(capsys, "compare", axis)
+    assert text.startswith(f"usage: leantrain compare {axis} [-h] [--seed SEED]")
+    assert all(n in text for n in settings), text
+    assert f"processes for the axis' {runs} independent runs (default 2)" in text
+    assert "--seed SEED" in text and "(default 0)" in text
+    for option in ("--model", "--optimizers", "--steps", "--lr", "--peers"):
+        assert option not in text  # the single-model options are not the axis'
+
+
+@pytest.mark.parametrize(
+    "argv, axis, seed, workers",
+    [
+        (["compare"], None, 0, 2),
+        (["compare", "--seed", "3", "memory"], "memory", 3, 2),
+        (["compare", "memory", "--seed", "5", "--workers", "1"], "memory", 5, 1),
+        (["compare", "--workers", "1", "depth", "--seed", "4"], "depth", 4, 1),
+        (["compare", "--model", "mlp", "--steps", "4"], None, 0, 2),
+    ],
+)
+def test_options_before_and_after_the_axis(argv, axis, seed, workers):
+    args = build_parser().parse_args(argv)
+    assert (args.axis, args.seed, args.workers, args.threads) == (
+        axis,
+        seed,
+        workers,
+        1,
+    )
+    assert args.out == "leantrain-compare"
 
 
 @pytest.mark.slow

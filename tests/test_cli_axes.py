@@ -8,16 +8,18 @@ called directly, AdamW's state size by its definition).
 import dataclasses
 import json
 import math
+import os
 import re
 import statistics
 
 import pytest
 
-from leantrain import compare_curvature, compare_depth, compare_memory
+from leantrain import compare_curvature, compare_depth, compare_jobs, compare_memory
 from leantrain.cli import main
 from leantrain.compare_memory import verdict
 from leantrain.layer_parallel import LayerTimes
 from leantrain.layer_parallel.simulate import CommModel, simulate
+from leantrain.layer_parallel.timing import TwoProcessTiming
 from leantrain.models import GPT, GPTConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -46,11 +48,17 @@ TINY_DEPTH = dataclasses.replace(
 )
 
 
+IDLE = 0.5  # a 1-minute load average below any machine's cores
+
+
 @pytest.fixture
 def tiny(monkeypatch):
     monkeypatch.setattr(compare_memory, "DEFAULT", TINY_MEMORY)
     monkeypatch.setattr(compare_curvature, "DEFAULT", TINY_CURVATURE)
     monkeypatch.setattr(compare_depth, "DEFAULT", TINY_DEPTH)
+    # The runs in this process see an idle machine, whatever the real load (the
+    # marking of rows timed under load is tested on its own).
+    monkeypatch.setattr(compare_jobs, "load_average", lambda: IDLE)
 
 
 def _rows(markdown: str, section: str) -> list[list[str]]:
@@ -219,11 +227,33 @@ def test_depth_axis_against_the_serial_network_and_the_simulator(
         ).speedup
         assert speedup == pytest.approx(expected)
     assert list(axis["projected_speedup"]["gpu"]) == ["8", "32", "128"]
-    body = dict((r[0], r[1]) for r in _rows(md, "depth")[2:])
-    assert body["measured speedup, 2 processes vs serial"] == (
-        f"{axis['measured_speedup']:.2f}x"
+    # The simulated 2-process row: the simulator on the 8 layers, two ranks.
+    two = simulate(
+        8,
+        2,
+        layers,
+        levels=2,
+        cf=2,
+        fwd_iters=2,
+        bwd_iters=1,
+        comm=comm,
+        state_bytes=state_bytes,
     )
+    assert axis["simulated_two_speedup"] == pytest.approx(two.speedup)
+    assert axis["simulated_two_serial_s"] == pytest.approx(two.serial)
+    rows = {r[0]: r[1:] for r in _rows(md, "depth")}
+    assert rows["measured"] == [
+        f"{axis['serial_step_s'] * 1e3:.1f}",
+        f"{axis['parallel_step_s'] * 1e3:.1f}",
+        f"{axis['measured_speedup']:.2f}",
+    ]
+    assert rows["simulated from the layer times and messages above"] == [
+        f"{two.serial * 1e3:.1f}",
+        f"{two.step * 1e3:.1f}",
+        f"{two.speedup:.2f}",
+    ]
     assert _rows(md, "depth") == _rows(stdout, "depth")
+    assert "†" not in md  # an idle machine: nothing marked, no footnote
 
 
 def test_depth_accuracy_is_exact_with_enough_cycles():
@@ -282,3 +312,122 @@ def test_axis_configs_are_checked():
         compare_curvature.jobs(dataclasses.replace(TINY_CURVATURE, methods=("nope",)))
     with pytest.raises(ValueError, match="projected_layers=100"):
         compare_depth.jobs(dataclasses.replace(TINY_DEPTH, projected_layers=100))
+
+
+def test_rows_timed_under_load_are_marked_with_a_footnote(
+    tiny, tmp_path, monkeypatch, capsys
+):
+    # One process: the runs go adamw, kfac, shampoo_10, each reading the load
+    # average before and after; only kfac ends above the machine's cores.
+    busy = (os.cpu_count() or 1) + 1.5
+    loads = iter([0.25, 0.5, 0.75, busy, 1.0, 1.25])
+    monkeypatch.setattr(compare_jobs, "load_average", lambda: next(loads))
+    md, stdout, record = _run(tmp_path, capsys, "curvature")
+    names = [r[0] for r in _rows(md, "curvature")[2:]]
+    assert names == ["adamw", "kfac †", "shampoo_10"]
+    assert names == [r[0] for r in _rows(stdout, "curvature")[2:]]
+    section = md.split("## curvature", 1)[1]
+    assert "over this axis' runs: 0.2 when the first started, 1.2 when the" in section
+    assert f"† Measured under load: the load average passed {os.cpu_count()}" in section
+    assert f"(it reached {busy:.1f})" in section
+    load = record["axes"]["curvature"]["load_average"]
+    assert load["runs"] == {
+        "adamw": [0.25, 0.5],
+        "kfac": [0.75, busy],
+        "shampoo_10": [1.0, 1.25],
+    }
+    assert load["under_load"] == ["kfac"] and load["limit"] == os.cpu_count()
+    assert (load["start"], load["end"]) == (0.25, 1.25)
+
+
+def test_progress_bar_counts_what_the_summary_counts(tiny, tmp_path, capsys):
+    # The depth axis: its two-process timing runs alone first, then the pool.
+    out = tmp_path / "out"
+    assert main(["compare", "depth", "--out", str(out), "--workers", "2"]) == 0
+    err = capsys.readouterr().err
+    md = (out / "compare.md").read_text()
+    # tqdm's last refresh: "steps of 2 runs on 2 processes: 100%|###| 2/2 [..step/s]"
+    bar = re.findall(
+        r"steps of (\d+) runs on 2 processes: 100%.*?\| (\d+)/(\d+) (\[.*?\])", err
+    )
+    assert bar, err
+    runs, done, total, rate = bar[-1]
+    assert "step/s" in rate or "s/step" in rate  # the unit
+    jobs = compare_depth.jobs(TINY_DEPTH)
+    assert runs == str(len(jobs)) and done == total == str(sum(j.ticks for j in jobs))
+    assert f"({runs} runs on 2 processes, " in md
+
+
+def _depth_summary(serial_s, parallel_s, under_load=()):
+    """The depth axis' summary of a made-up timing (the simulator as it is)."""
+    timing = TwoProcessTiming(
+        parallel=parallel_s,
+        serial=serial_s,
+        layers=LayerTimes(forward=1e-3, backward=2e-3, forward_record=1.2e-3),
+        comm=CommModel(latency=2e-3, bandwidth=3e8),
+    )
+    accuracy = compare_depth.DepthAccuracy(1e-2, 9e-2, 0.09, 0.11, 30_000)
+    results = {("depth", "timing"): timing, ("depth", "accuracy"): accuracy}
+    summary = compare_depth.summarise(TINY_DEPTH, results)
+    summary["under_load"] = set(under_load)
+    return summary
+
+
+def test_depth_table_and_panel_show_the_same_quantities():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = _depth_summary(0.076, 0.2111)
+    table = compare_depth.table(summary, TINY_DEPTH)
+    tables = [_rows(f"## depth\n{t}", "depth") for t in table.split("\n\n")]
+    for rows in tables:  # one unit a column (or a row, named with it), never two
+        assert all(re.fullmatch(r"[-+.0-9e]+", c) for row in rows[2:] for c in row[1:])
+    steps = {r[0]: r[1:] for r in tables[1]}
+    header = tables[1][0]
+    assert header[1:] == [
+        "serial, 1 process (ms)",
+        "layer-parallel, 2 processes (ms)",
+        "speedup vs serial (x)",
+    ]
+    fig, ax = plt.subplots()
+    compare_depth.plot(ax, summary, TINY_DEPTH)
+    plotted = {line.get_label(): line.get_ydata()[0] for line in ax.get_lines()}
+    plt.close(fig)
+    assert steps["measured"][2] == f"{plotted['measured, 2 processes']:.2f}" == "0.36"
+    simulated = steps["simulated from the layer times and messages above"]
+    assert simulated[2] == f"{plotted['simulated, 2 processes']:.2f}"
+    assert float(simulated[2]) == pytest.approx(
+        float(simulated[0]) / float(simulated[1]), abs=0.01
+    )
+    projected = tables[2]
+    assert projected[0][1:] == ["8 ranks", "32 ranks", "128 ranks"]
+    measured_projection = summary["projected"]["measured"]
+    assert projected[2][1:] == [f"{v:.2f}" for v in measured_projection.values()]
+
+
+@pytest.mark.parametrize(
+    "serial_s, parallel_s, under_load, words",
+    [
+        (0.076, 0.2111, (), ["slower than serial (0.36x measured, "]),
+        (0.2, 0.1, (), ["faster than serial (2.00x measured, "]),
+        (0.076, 0.2111, [("depth", "timing")], ["0.36x measured under load, "]),
+    ],
+)
+def test_depth_sentence_is_worded_from_the_numbers(
+    serial_s, parallel_s, under_load, words
+):
+    summary = _depth_summary(serial_s, parallel_s, under_load)
+    sentence = compare_depth.verdict(summary, TINY_DEPTH)
+    assert f"On 2 processes of this {os.cpu_count()}-core CPU" in sentence
+    assert all(w in sentence for w in words), sentence
+    assert f"{summary['simulated_two_speedup']:.2f}x simulated" in sentence
+    projected = summary["projected"]["measured"]
+    assert ", ".join(f"{v:.2f}x at {p}" for p, v in projected.items()) in sentence
+    faster = [str(p) for p, v in projected.items() if v > 1]
+    assert (f"faster than serial at {', '.join(faster)} ranks." in sentence) == bool(
+        faster
+    )
+    table = compare_depth.table(summary, TINY_DEPTH)
+    assert ("| measured † |" in table) == bool(under_load)
