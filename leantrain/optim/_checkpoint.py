@@ -218,6 +218,21 @@ def _rows(param: Tensor, value: Tensor) -> Tensor:
     return full[span.start // per_row : span.stop // per_row]
 
 
+def _check_saved_shape(saved: dict, shape: tuple, bits, label: str) -> None:
+    """The momentum is saved in its parameter's shape: a state saved for a parameter
+    of another shape (another model) is named as such, before the derived layout
+    (period, factors) would disagree in less telling words."""
+    key = "exp_avg" if bits is None else "exp_avg_codes"
+    value = saved[key]
+    want = shape if bits is None else codes_shape(shape, bits)
+    if isinstance(value, Tensor) and tuple(value.shape) != tuple(want):
+        raise ValueError(
+            f"{label}: the state was saved for a parameter of another shape (its "
+            f"'{key}' has shape {tuple(value.shape)}; this parameter's is "
+            f"{tuple(want)}): is it another model's optimizer state?"
+        )
+
+
 def check_checkpoint(
     saved: dict, param: Tensor, bits, partition, label: str, second_moment="blocks"
 ) -> None:
@@ -228,6 +243,7 @@ def check_checkpoint(
     shape = tuple(param.shape)
     n = math.prod(shape)
     check_keys(saved, bits, label)
+    _check_saved_shape(saved, shape, bits, label)
     check_factored(saved, shape, second_moment, label)
     factors = factor_shape(shape) if FACTORED_KEY in saved else None
     period = int(saved["period"])

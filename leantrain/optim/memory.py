@@ -9,6 +9,7 @@ allocates them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 
 from torch import Tensor
@@ -80,12 +81,27 @@ def bytes_per_param(optimizer: Optimizer) -> float:
     """State bytes per parameter element: ``optimizer_state_nbytes / numel``.
 
     Every parameter in the optimizer's groups counts, stepped or not, so call it
-    after a step in which every parameter had a gradient.
+    after a step in which every parameter had a gradient. Optimizers create their
+    state lazily, at a parameter's first step (Gefen's layout even depends on that
+    first gradient), so parameters without state yet count as zero bytes and a
+    ``UserWarning`` says how many elements that is.
 
     Raises:
         ValueError: the optimizer holds no parameter elements.
     """
-    numel = sum(p.numel() for p in _unique_params(optimizer.param_groups))
+    params = list(_unique_params(optimizer.param_groups))
+    numel = sum(p.numel() for p in params)
     if numel == 0:
         raise ValueError("bytes_per_param: the optimizer holds no parameter elements")
+    stateless = sum(p.numel() for p in params if not optimizer.state.get(p))
+    if stateless:
+        when = "before the first step" if stateless == numel else "so far"
+        warnings.warn(
+            f"bytes_per_param: {stateless} of {numel} parameter elements have no "
+            f"optimizer state yet ({when}; state is created at a parameter's first "
+            "step), so they count as 0 bytes: call it after a step in which every "
+            "parameter had a gradient",
+            UserWarning,
+            stacklevel=2,
+        )
     return optimizer_state_nbytes(optimizer) / numel

@@ -123,3 +123,18 @@ def test_another_partition_is_rejected():
     other = Gefen(net.parameters(), lr=1e-2, partition="element")
     with pytest.raises(ValueError, match="parameter 0 .*exp_avg_sq"):
         other.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("bits", [8, 4, None])
+def test_another_models_state_is_named_as_such(bits):
+    # A wider model: the error names the parameter shape, not a derived layout
+    # (the period or the factors, which differ as a consequence).
+    torch.manual_seed(0)
+    narrow, wide = nn.Linear(64, 256), nn.Linear(96, 256)
+    opt = Gefen(narrow.parameters(), lr=1e-2, momentum_bits=bits)
+    narrow(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    other = Gefen(wide.parameters(), lr=1e-2, momentum_bits=bits)
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(256, 96\)\): the state "
+                       r"was saved for a parameter of another shape"):
+        other.load_state_dict(opt.state_dict())

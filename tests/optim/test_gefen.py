@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -277,6 +278,23 @@ def test_state_bytes_per_param_on_mlp(bits, limit):
     _one_step(model, opt, 64)
     assert 0.31e6 > sum(p.numel() for p in model.parameters()) > 0.1e6
     assert bytes_per_param(opt) <= limit
+
+
+def test_bytes_per_param_before_a_step_says_why_it_counts_nothing():
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    opt = Gefen(model.parameters())
+    with pytest.warns(UserWarning, match="46 of 46 parameter elements have no "
+                      r"optimizer state yet \(before the first step"):
+        assert bytes_per_param(opt) == 0.0
+    model[0](torch.randn(3, 8)).sum().backward()  # the second layer has no grad
+    opt.step()
+    with pytest.warns(UserWarning, match=r"10 of 46 .*\(so far"):
+        assert bytes_per_param(opt) > 0  # the tiny layers hold one 1 KB codebook
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every parameter has state now
+        assert bytes_per_param(opt) > 0
 
 
 def test_optimizer_state_nbytes_counts_each_storage_once(kit):
