@@ -487,9 +487,44 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`_extra_state` returned."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, EMA buffers and the subclass's preconditioner state."""
+    def _layout(self) -> dict[str, list[list[int]]]:
+        """The shapes of each preconditioned module's parameters, by module name:
+        what a saved state must match to be loaded here."""
         return {
+            name: [list(p.shape) for p in module.parameters(recurse=False)]
+            for name, module in self.modules()
+        }
+
+    def _check_layout(self, saved: Any) -> None:
+        """Raise ``ValueError`` naming the first module whose parameters differ."""
+        if not isinstance(saved, dict):
+            raise TypeError(f"state['modules'] must be a dict, got {saved!r}")
+        here = self._layout()
+        cls = type(self).__name__
+        for name in sorted(set(saved) | set(here)):
+            label = name or "<root>"
+            if name not in here:
+                raise ValueError(
+                    f"{cls}: the state preconditions module {label!r} (parameter "
+                    f"shapes {saved[name]}), which this model does not have (or does "
+                    "not precondition): it was saved from another model"
+                )
+            if name not in saved:
+                raise ValueError(
+                    f"{cls}: the state has no module {label!r} (parameter shapes "
+                    f"{here[name]}) of this model: it was saved from another model"
+                )
+            if [list(s) for s in saved[name]] != here[name]:
+                raise ValueError(
+                    f"{cls}: module {label!r} has parameter shapes {here[name]} here "
+                    f"but {saved[name]} in the state: it was saved from another model"
+                )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, EMA buffers, the subclass's preconditioner state, and the
+        parameter shapes of the preconditioned modules (checked on load)."""
+        return {
+            "modules": self._layout(),
             "step": self.step,
             "curvature_updates": self.curvature_updates,
             "preconditioner_updates": self.preconditioner_updates,
@@ -503,13 +538,16 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
 
         Raises:
             ValueError / TypeError: if ``state`` does not have the layout of
-                :meth:`state_dict` (nothing is changed then).
+                :meth:`state_dict`, or was saved from a model whose preconditioned
+                modules differ (the message names the module and its shapes);
+                nothing is changed then.
         """
-        expected = {"step", "curvature_updates", "preconditioner_updates"}
+        expected = {"modules", "step", "curvature_updates", "preconditioner_updates"}
         expected |= {"ema", "ema_counts", "extra"}
         if not isinstance(state, dict) or set(state) != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state must have the keys {sorted(expected)}, got {got}")
+        self._check_layout(state["modules"])
         counters = ("step", "curvature_updates", "preconditioner_updates")
         for key in counters:
             check_int(f"state[{key!r}]", state[key], minimum=0)

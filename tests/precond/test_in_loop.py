@@ -542,3 +542,29 @@ def test_compiles_after_close_see_dynamo_as_found(set_attribute):
     other = torch.nn.Linear(4, 2)
     torch.compile(other, backend="eager")(x).sum().backward()  # builds its guards
     assert other.weight.grad is not None
+
+
+@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+def test_preconditioner_state_of_another_model_is_refused_by_name(method):
+    def trained(config: GPTConfig):
+        torch.manual_seed(0)
+        model = GPT(config).double()
+        opt = precondition_in_loop(
+            torch.optim.SGD(model.parameters(), lr=0.05), model, method, config=IGNORE
+        )
+        x, t = batches(1)[0]
+        lm_loss(model(x), t).backward()
+        opt.step()
+        return opt
+
+    base = GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, d_model=8)
+    saved = trained(base).state_dict()
+    wider = trained(GPTConfig(**{**base.__dict__, "d_model": 12}))
+    step_before = wider.maker.step
+    with pytest.raises(ValueError, match=r"module '\S+' has parameter shapes \[\[") as err:
+        wider.load_state_dict(saved)
+    assert "12]] here but [[24, 8]] in the state" in str(err.value)
+    assert wider.maker.step == step_before  # nothing loaded
+    deeper = trained(GPTConfig(**{**base.__dict__, "n_layer": 3}))
+    with pytest.raises(ValueError, match=r"the state has no module 'stack.steps.2"):
+        deeper.maker.load_state_dict(saved["preconditioner"])
