@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
 
-from leantrain.layer_parallel.ode import State, as_tuple
+from leantrain.layer_parallel.ode import BLOCK_CONTRACT, State, as_tuple
 
 ON_DIVERGENCE = ("warn", "raise", "ignore")
 
@@ -96,3 +98,86 @@ def check_state(state: object) -> State:
                 f"state component {i} must be a floating Tensor, got {kind}"
             )
     return state
+
+
+def check_blocks(steps: object) -> list[nn.Module]:
+    """The blocks of a residual stack, each callable as ``block(x, dt)``.
+
+    Accepts a list or tuple of blocks, an ``nn.ModuleList`` or an ``nn.Sequential``
+    (as a container only: its own forward passes no ``dt`` and is never called), or
+    a module holding its blocks in ``.steps`` (``ResidualStack``, i.e. ``model.stack``).
+    Each block's forward must bind ``(x, dt)`` positionally, as the solver calls it.
+
+    Raises:
+        TypeError: for any other container, a block that is not an ``nn.Module``, or
+            a block whose forward cannot take ``(x, dt)``; the message names the
+            block's index and class and what its forward must accept.
+    """
+    blocks = steps
+    if _is_single_module(blocks):
+        blocks = getattr(blocks, "steps", None)
+    if _is_single_module(blocks) or not isinstance(blocks, Iterable):
+        # A module without .steps is a block or a whole model, not a stack of blocks.
+        raise TypeError(
+            "LayerParallel takes the blocks of a residual stack: a list, "
+            "nn.ModuleList or nn.Sequential of blocks, or a module that holds them "
+            "in .steps (a leantrain ResidualStack such as model.stack); got "
+            f"{type(steps).__name__}, which is none of these. {BLOCK_CONTRACT}"
+        )
+    blocks = list(blocks)
+    for n, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise TypeError(
+                f"block {n} is a {type(block).__name__}, not an nn.Module. "
+                f"{BLOCK_CONTRACT}"
+            )
+        _check_takes_dt(n, block)
+    return blocks
+
+
+def _is_single_module(obj: object) -> bool:
+    return isinstance(obj, nn.Module) and not isinstance(
+        obj, nn.ModuleList | nn.Sequential
+    )
+
+
+def _check_takes_dt(n: int, block: nn.Module) -> None:
+    # The solver calls block(x, dt) with dt positional (ode.run_step), so bind exactly
+    # that: a second positional parameter of any name, or *args, passes; a forward
+    # with only **kwargs, or one that needs a third argument, does not.
+    try:
+        signature = inspect.signature(block.forward)
+    except (TypeError, ValueError):  # not introspectable (a builtin): the call decides
+        return
+    try:
+        signature.bind(None, 1.0)
+    except TypeError:
+        raise TypeError(
+            f"block {n} ({type(block).__name__}) cannot be called as block(x, dt): "
+            f"its forward{signature} must accept the state x and the step size dt as "
+            f"its first two positional arguments and need no others. {BLOCK_CONTRACT}"
+        ) from None
+
+
+def check_stack_dt(stack: object, n_steps: int, t_final: float) -> None:
+    """A stack handed over whole (``model.stack``) must keep its own step size.
+
+    ``LayerParallel`` steps with ``t_final / N``; a ``ResidualStack`` built with another
+    ``dt`` would silently become a different network.
+
+    Raises:
+        ValueError: if ``stack.dt`` differs from ``t_final / n_steps``.
+    """
+    dt = getattr(stack, "dt", None) if hasattr(stack, "steps") else None
+    if not isinstance(dt, int | float) or isinstance(dt, bool):
+        return
+    if math.isclose(dt, t_final / n_steps, rel_tol=1e-9):
+        return
+    raise ValueError(
+        f"the stack steps with dt = {dt:g} ({n_steps} steps, t_final = "
+        f"{dt * n_steps:g}) but LayerParallel(t_final={t_final:g}) would step with "
+        f"dt = {t_final / n_steps:g}: a different network. Pass "
+        f"t_final={dt * n_steps:g} to keep the model (dt = 1, a plain ResNet, is one "
+        "for which MGRIT does not converge: build the model with t_final=1.0 "
+        "instead), or pass stack.steps to run its blocks with a new step size"
+    )

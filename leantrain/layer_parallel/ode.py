@@ -31,6 +31,13 @@ State = torch.Tensor | tuple[torch.Tensor, ...]
 
 _MASK64 = (1 << 64) - 1
 
+# The one sentence every block-contract error ends with (construction and first call).
+BLOCK_CONTRACT = (
+    "A block is an nn.Module called as block(x, dt) that returns a state of x's "
+    "shape: one residual step x + dt * F(x), where x is a Tensor or a tuple of "
+    "Tensors and dt the step size."
+)
+
 
 @runtime_checkable
 class Step(Protocol):
@@ -159,9 +166,47 @@ class LayerRNG:
 
 
 def run_step(step: torch.nn.Module, state: State, dt: float, n: int, rng: LayerRNG):
-    """Evaluate layer ``n`` as ``step(state, dt)`` inside its random stream."""
+    """Evaluate layer ``n`` as ``step(state, dt)`` inside its random stream.
+
+    Raises:
+        ValueError: if the step returns a state of other shapes than ``state`` (a
+            block that changes the width), naming the layer and both shapes.
+    """
     with rng.layer(n):
-        return step(state, dt)
+        out = step(state, dt)
+    if not (
+        isinstance(out, torch.Tensor)
+        and isinstance(state, torch.Tensor)
+        and out.shape == state.shape
+    ):  # the common case above costs one comparison; tuples take the long way
+        _check_same_shapes(step, n, state, out)
+    return out
+
+
+def _shapes(state: object) -> object:
+    # A Tensor's shape, a tuple state's list of shapes, else the type's name.
+    if isinstance(state, torch.Tensor):
+        return tuple(state.shape)
+    if isinstance(state, tuple | list) and all(
+        isinstance(t, torch.Tensor) for t in state
+    ):
+        return [tuple(t.shape) for t in state]
+    return type(state).__name__
+
+
+def _check_same_shapes(step: object, n: int, state: State, out: object) -> None:
+    # Checked where a block is run rather than at construction: the state's width is
+    # known only at the first call, and a Hugging Face block cannot be probed on its
+    # own (it needs the call's masks). Without it a width change surfaces as a matmul
+    # error in a later layer, deep inside MGRIT.
+    want, got = _shapes(state), _shapes(out)
+    if want != got:
+        raise ValueError(
+            f"block {n} ({type(step).__name__}) returned a state of shape {got} for "
+            f"an input of shape {want}: LayerParallel runs the blocks as the steps of "
+            "one ODE, so no block may change the state's shape (change the width "
+            f"outside the stack, e.g. in the embedding or the head). {BLOCK_CONTRACT}"
+        )
 
 
 def serial_forward(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import doctest
+import re
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 
 import leantrain.layer_parallel as lp_pkg
 from leantrain.layer_parallel import LayerParallel, MGRITDivergenceError
+from leantrain.layer_parallel.mgrit import CONVERGENCE_RTOL
 from leantrain.models import (
     BERT,
     GPT,
@@ -102,14 +104,17 @@ def test_too_few_iterations_are_not_exact():
     model, inputs = _model("gpt", 16)
     out, grads = _loss_and_grads(model, inputs)
     par = _parallel(model, cf=2, fwd_iters=1, bwd_iters=1)
-    pout, pgrads = _loss_and_grads(par, inputs)
+    with pytest.warns(RuntimeWarning, match="forward solve did not converge"):
+        pout, pgrads = _loss_and_grads(par, inputs)  # and it says so
+    assert par.stack.stats.forward.converged is False
     assert (out - pout).abs().max() > 1e-6
     assert max((g - pgrads[k]).abs().max() for k, g in grads.items()) > 1e-6
 
 
 def test_gradient_accumulation_over_micro_batches():
     model, (idx,) = _model("gpt", 8)
-    par = _parallel(model, cf=2, fwd_iters=2, bwd_iters=1)  # inexact on purpose
+    # inexact on purpose (the forward reports converged=False): no warning wanted
+    par = _parallel(model, cf=2, fwd_iters=2, bwd_iters=1, on_divergence="ignore")
     par(idx).pow(2).sum().backward()
     whole = {k: p.grad.clone() for k, p in par.named_parameters()}
     par.zero_grad()
@@ -286,11 +291,163 @@ def test_option_errors(kwargs, err, match):
 
 
 def test_input_errors():
-    with pytest.raises(TypeError, match="have .steps"):
+    with pytest.raises(TypeError, match="in .steps"):
         LayerParallel(nn.Linear(2, 2))
     stack = LayerParallel(_blocks(8), cf=2)
     with pytest.raises(TypeError, match="floating Tensor"):
         stack(torch.ones(2, 3, 8, dtype=torch.long))
+
+
+# ------------------------------------------------------------- the block contract
+class _Widen(nn.Module):
+    """Breaks the contract: maps the width ``d`` to ``2 d``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, 2 * d)
+
+    def forward(self, x, dt):
+        return self.lin(x)
+
+
+class _NoDt(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class _KeywordDt(nn.Module):  # the solver passes dt positionally
+    def forward(self, x, *, dt):
+        return x
+
+
+class _OtherName(nn.Module):  # fine: the second positional argument, by any name
+    def forward(self, state, h):
+        return state
+
+
+class _Varargs(nn.Module):
+    def forward(self, x, *args):
+        return x
+
+
+@pytest.mark.parametrize("mode", ["parallel", "serial"])
+def test_block_that_changes_the_width_is_named(mode):
+    model, (idx,) = _model("gpt", 8)
+    model.stack.steps[3] = _Widen(D).double()
+    model.stack = getattr(LayerParallel(model.stack.steps, cf=2), mode)()
+    # Before: a matmul error in block 4 (or in MGRIT's residual), naming neither.
+    with pytest.raises(ValueError) as err:
+        model(idx)
+    assert re.search(
+        r"block 3 \(_Widen\) returned a state of shape \(2, 6, 32\) for an input "
+        r"of shape \(2, 6, 16\).*no block may change the state's shape",
+        str(err.value),
+    )
+    assert "called as block(x, dt)" in str(err.value)  # the shared contract sentence
+
+
+def test_sequential_of_blocks_is_a_stack():
+    blocks = _blocks(8)
+    ref = ResidualStack(copy.deepcopy(blocks), t_final=1.0).double()
+    stack = LayerParallel(nn.Sequential(*blocks), cf=2, skip_downcycle=False).double()
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert (stack(x) - ref(x)).abs().max() < 1e-12  # N/(2 cf) = 2 cycles: exact
+    assert stack.state_dict().keys() == ref.state_dict().keys()
+
+
+@pytest.mark.parametrize("kind", ["Linear", "GPT"])
+def test_container_that_is_not_a_stack_says_what_is(kind):
+    bad = nn.Linear(8, 8) if kind == "Linear" else _model("gpt", 8)[0]
+    with pytest.raises(TypeError) as err:
+        LayerParallel(bad)
+    msg = str(err.value)
+    assert f"got {kind}, which is none of these" in msg
+    assert (
+        "a list, nn.ModuleList or nn.Sequential of blocks, or a module that holds "
+        "them in .steps (a leantrain ResidualStack such as model.stack)" in msg
+    )
+    assert "called as block(x, dt)" in msg
+
+
+@pytest.mark.parametrize(
+    "block,signature",
+    [(_NoDt(), "(x)"), (_KeywordDt(), "(x, *, dt)"), (nn.GELU(), "(input")],
+)
+def test_block_without_dt_is_named(block, signature):
+    with pytest.raises(TypeError) as err:
+        LayerParallel([*_blocks(3), block], cf=2)
+    msg = str(err.value)
+    name = type(block).__name__
+    assert f"block 3 ({name}) cannot be called as block(x, dt): its forward" in msg
+    assert f"forward{signature}" in msg
+    assert "the step size dt as its first two positional arguments" in msg
+    LayerParallel([_OtherName(), _Varargs()], cf=2)  # any name, or *args: accepted
+
+
+def test_stack_with_another_step_size_is_refused():
+    rs = ResidualStack(_blocks(8), t_final=8.0)  # dt = 1
+    # Before: LayerParallel silently ran dt = 1/8, a different network.
+    with pytest.raises(
+        ValueError,
+        match=r"the stack steps with dt = 1 .*LayerParallel\(t_final=1\) would step "
+        r"with dt = 0\.125: a different network\. Pass t_final=8 ",
+    ):
+        LayerParallel(rs, cf=2)
+    assert LayerParallel(rs, cf=2, t_final=8.0).dt == rs.dt == 1.0
+
+
+# ----------------------------------------------------- converged reflects the residual
+def _report_gpt(t_final: float):
+    """The user report's GPT (16 layers) with its stack made layer-parallel."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=16, d_model=64, n_head=4, t_final=t_final))
+    serial = copy.deepcopy(model)
+    model.stack = LayerParallel(
+        model.stack, t_final=t_final, levels=2, cf=4, fwd_iters=2, bwd_iters=1
+    )
+    return model, serial, torch.randint(0, 256, (2, 16))
+
+
+def _relative_error(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_h_equal_one_gpt_is_not_converged_and_warns_once():
+    model, serial, idx = _report_gpt(16.0)  # h = 1
+    with pytest.warns(RuntimeWarning) as record:
+        out = model(idx)
+    msg = str(record[0].message)
+    assert re.search(
+        r"forward solve did not converge after 2 V-cycles \(fwd_iters=2\): final "
+        r"residual \S+ is \S+% of the state norm \(converged means at most 10%",
+        msg,
+    ), msg
+    assert "h = 1 (t_final / N = 16 / 16)" in msg
+    for way_out in ("smaller t_final", "more fwd_iters", 'forward_solver="serial"'):
+        assert way_out in msg
+    stats = model.stack.stats.forward
+    # Before: converged=True, because the residuals fell (by ~0.8 per cycle).
+    assert stats.history[-1] < stats.history[0] and not stats.diverged
+    assert stats.converged is False and stats.relative_residual > CONVERGENCE_RTOL
+    with torch.no_grad():
+        assert _relative_error(out, serial(idx)) > 0.3  # truly not the serial net
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(idx).sum().backward()  # warned once per module; the adjoint only
+    assert model.stack.stats.backward.converged is False  # reports its level
+
+
+def test_well_posed_gpt_converges_without_warning():
+    model, serial, idx = _report_gpt(1.0)  # h = 1/N: the README's configuration
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(idx)
+        out.sum().backward()  # one adjoint cycle is inexact by design: no warning
+    stats = model.stack.stats.forward
+    assert stats.converged is True and stats.relative_residual < CONVERGENCE_RTOL
+    with torch.no_grad():
+        assert _relative_error(out, serial(idx)) < 2 * CONVERGENCE_RTOL
 
 
 @pytest.mark.parametrize(
