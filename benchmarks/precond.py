@@ -137,7 +137,7 @@ class Run:
                 self.error = f"n/a: dense {size}x{size} matrix (tiny model only)"
                 return
             try:
-                self.gm = make_gradient_maker(method, model)
+                self.gm = make_gradient_maker(method, model, lr=spec.lr)
             except MethodUnavailableError as err:
                 self.error = f"not available ({err})"
                 return

@@ -52,7 +52,7 @@ def _plain(model):
 
 def _maker(model, method, kwargs):
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
-    gm = make_gradient_maker(method, model, config=CONFIG, **kwargs)
+    gm = make_gradient_maker(method, model, config=CONFIG, lr=0.01, **kwargs)
 
     def step(x, t):
         sgd.zero_grad()

@@ -14,7 +14,8 @@ run takes about 2 s a step there); ``--help``.
 The loop every rank runs::
 
     model.stack = LayerParallel(model.stack, cf=2).distribute()
-    maker = make_gradient_maker("kfac", model, config={"ignore_modules": ["wpe"]})
+    maker = make_gradient_maker("kfac", model, config={"ignore_modules": ["wpe"]},
+                                lr=LR)                   # the KL clip's learning rate
     opt, ctrl = Gefen(model.parameters(), lr=LR), Controller(model, every=25)
     for x, y in batches:                      # the same batch on every rank
         out = maker.setup_model_call(model, x)
@@ -64,7 +65,10 @@ def train(args, *, three_axes: bool, show: bool) -> list[float]:
     if three_axes:
         model.stack = LayerParallel(model.stack, cf=2).distribute()
         maker = make_gradient_maker(
-            "kfac", model, config={"damping": 1e-2, "ignore_modules": ["wpe"]}
+            "kfac",
+            model,
+            config={"damping": 1e-2, "ignore_modules": ["wpe"]},
+            lr=args.lr,
         )
         opt = Gefen(model.parameters(), lr=args.lr)
         ctrl = Controller(model, every=25)

@@ -106,7 +106,7 @@ def train_method(
         spec = PRECOND_METHODS[name]
         result = MethodResult(name, note=f"{spec.note}; SGD lr {spec.lr}".lstrip("; "))
         try:
-            maker = make_gradient_maker(name, model)
+            maker = make_gradient_maker(name, model, lr=spec.lr)
         except MethodUnavailableError as err:
             result.status = f"unavailable: {_short(err)}"
             return result

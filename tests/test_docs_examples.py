@@ -8,7 +8,11 @@ on the lines just before a block's fence, invisible on the rendered page:
   (to shorten a training loop; OLD must occur in the block);
 - ``<!-- doc-test: torchrun N NAME -->`` marks the block as part of script NAME, which
   runs on its own under ``torchrun --nproc_per_node N`` (gloo, one thread per
-  process); blocks with the same NAME are joined in page order.
+  process); blocks with the same NAME are joined in page order;
+- ``<!-- doc-test: falls NAME -->`` asserts after the block that the list ``NAME``
+  (the losses the example records) is finite and falls: the mean of its last
+  quarter is below that of its first. A loop shortened by ``replace`` keeps enough
+  steps for that, so an example that diverges fails its test.
 
 docs/huggingface_lightning.md has its own runner (one namespace per section,
 ``tests/integrations/test_docs_page.py``); the README's example runs in
@@ -17,6 +21,8 @@ docs/huggingface_lightning.md has its own runner (one namespace per section,
 
 from __future__ import annotations
 
+import ast
+import builtins
 import os
 import re
 import subprocess
@@ -34,11 +40,20 @@ FENCE = re.compile(
 DIRECTIVE = re.compile(r"<!-- doc-test: (\w+) (.*?) -->")
 
 
+FALLS = """
+import math as _math, statistics as _stats
+_q = max(1, len({name}) // 4)
+assert all(_math.isfinite(_v) for _v in {name}), {name}
+assert _stats.fmean({name}[-_q:]) < _stats.fmean({name}[:_q]), {name}
+"""
+
+
 @dataclass
 class Block:
     code: str
     torchrun: tuple[int, str] | None = None
     replacements: list[tuple[str, str]] = field(default_factory=list)
+    falls: list[str] = field(default_factory=list)
 
     def source(self) -> str:
         code = self.code
@@ -46,7 +61,7 @@ class Block:
             if old not in code:
                 raise AssertionError(f"doc-test replace: {old!r} is not in the block")
             code = code.replace(old, new)
-        return code
+        return code + "".join(FALLS.format(name=name) for name in self.falls)
 
 
 def parse(text: str) -> list[Block]:
@@ -61,6 +76,8 @@ def parse(text: str) -> list[Block]:
             elif kind == "torchrun":
                 n, name = args.split()
                 block.torchrun = (int(n), name)
+            elif kind == "falls":
+                block.falls.append(args.strip())
             else:
                 raise ValueError(f"unknown doc-test directive {kind!r}")
         blocks.append(block)
@@ -82,6 +99,11 @@ def test_parse_reads_directives():
     )
     first, second = parse(text)
     assert first.source() == "for i in range(2): pass\n"
+    (falling,) = parse("<!-- doc-test: falls xs -->\n```python\nxs = [3, 2, 1]\n```\n")
+    exec(falling.source(), {})
+    rising = Block("xs = [1, 2, float('nan')]\n", falls=["xs"])
+    with pytest.raises(AssertionError):
+        exec(rising.source(), {})
     assert second.torchrun == (2, "demo") and second.source() == "x = 1\n"
     with pytest.raises(AssertionError, match="range\\(7\\)"):
         Block("pass\n", replacements=[("range(7)", "")]).source()
@@ -101,6 +123,41 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
         exec(compile(block.source(), f"{page}#{i}", "exec"), namespace)
     for name, (n, parts) in scripts.items():
         _torchrun(tmp_path / f"{name}.py", "\n".join(parts), n)
+
+
+def _bound_and_loaded(code: str) -> tuple[set[str], set[str], set[str]]:
+    """Names a block binds by import, binds otherwise, and reads."""
+    imported, bound, loaded = set(), set(dir(builtins)), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+    return imported, bound, loaded
+
+
+@pytest.mark.parametrize("page", ["README.md", *PAGES, *OWN_RUNNER])
+def test_every_block_imports_what_it_uses(page):
+    """A snippet copied on its own must not miss an import: a name that an earlier
+    block of the page imports is imported again by each block that uses it. (A
+    page's running objects, its ``model`` or ``data``, may come from the block
+    that introduces them.)"""
+    path = DOCS.parent / page if page == "README.md" else DOCS / page
+    imported_before: set[str] = set()
+    missing = []
+    for i, block in enumerate(parse(path.read_text())):
+        imported, bound, loaded = _bound_and_loaded(block.code)
+        lacking = (loaded - imported - bound) & imported_before
+        if lacking:
+            missing.append(f"block {i}: {sorted(lacking)}")
+        imported_before |= imported
+    assert not missing, f"{page}: blocks use names imported only earlier: {missing}"
 
 
 def _torchrun(path: Path, code: str, nproc: int) -> None:

@@ -28,7 +28,7 @@ from leantrain.precond._coverage import hidden_parameters
 from leantrain.precond._factored import LinearCapture
 from leantrain.precond._fisher import FisherMaker
 from leantrain.precond._gram import LowRankFactor
-from leantrain.precond._safeguards import factored_gradient_norm
+from leantrain.precond._safeguards import PlainGradient
 from leantrain.precond.curv import CurvatureCollector, cholesky_ex, cholesky_inverse
 from leantrain.precond.curv.modules import ModuleOp
 from leantrain.precond.gradient_maker import unwrap_model
@@ -207,19 +207,15 @@ class KronFactorMaker(FisherMaker):
     def _discard_pass(self) -> None:
         self._captured = {}  # a skipped pass's (X, E) must not reach a later step
 
-    def _plain_layer_norms(self) -> Tensor:
-        # A captured layer's plain gradient E^T [X, 1] is never formed: its norm
-        # comes from (X, E) (weight and bias parts).
-        norms = super()._plain_layer_norms()
-        if not self._captured:
-            return norms
-        where = {name: i for i, (name, _) in enumerate(self.modules())}
-        for name, (x, e) in self._captured.items():
-            squares = factored_gradient_norm(x, e).square()
-            if len(self.ops[name].params) == 2:
-                squares = squares + e.sum(0).to(squares.dtype).square().sum()
-            norms[where[name]] = squares.sqrt()
-        return norms
+    def _plain_gradient(self, *, keep: bool) -> PlainGradient:
+        # A captured layer's plain gradient E^T [X, 1] is never formed: it enters
+        # as its (X, E).
+        index = {name: i for i, (name, _) in enumerate(self.modules())}
+        factored = {
+            index[name]: (x, e, len(self.ops[name].params) == 2)
+            for name, (x, e) in self._captured.items()
+        }
+        return PlainGradient(self._layer_gradients(), factored, keep=keep)
 
     def _unwritten_gradients(self) -> list[Tensor]:
         # Captured layers hold (X, E) instead of .grad until precondition().

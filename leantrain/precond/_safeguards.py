@@ -15,6 +15,16 @@ small GPT within tens of steps. A layer whose preconditioned gradient is zero ke
 it. The rescaling is one norm per layer before and after, in float32 (float64 for
 float64 gradients), on the device.
 
+**KL clipping** (``PreconditioningConfig(kl_clip=c)``), as kfac-pytorch bounds
+K-FAC's step: the preconditioned gradient is scaled by
+:math:`\nu = \min(1, \sqrt{c / \sum_l \eta_l^2 \langle P_l, G_l \rangle})`, so a
+step of learning rate :math:`\eta` changes the model's predictive distribution by
+a KL divergence of at most about ``c / 2`` (:math:`\langle P, G\rangle = G^T F^{-1}
+G` for the Fisher :math:`F`). Unlike grafting it keeps the preconditioner's step
+lengths while they are safe, which is where K-FAC gains over SGD; it needs the
+learning rate (the wrapped optimizer's in a loop, ``maker.lr`` otherwise) and a
+copy of the plain gradient for the inner products.
+
 **Non-finite gradients** (``PreconditioningConfig(nonfinite=...)``): a step whose
 gradient holds a NaN or an infinity (a diverged run) is skipped as ``GradScaler``
 skips one, with a ``RuntimeWarning`` each time, or raises ``FloatingPointError``.
@@ -30,7 +40,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["factored_gradient_norm", "graft", "layer_norms", "reject_nonfinite"]
+__all__ = [
+    "PlainGradient",
+    "factored_gradient_dot",
+    "factored_gradient_norm",
+    "graft",
+    "kl_clip_factor",
+    "layer_dots",
+    "layer_norms",
+    "reject_nonfinite",
+]
 
 
 def _accumulation_dtype(tensors: list[Tensor]) -> torch.dtype:
@@ -61,6 +80,34 @@ def graft(layers: list[list[Tensor]], target: Tensor) -> None:
             torch._foreach_mul_(layer, r.to(layer[0].dtype))
 
 
+def layer_dots(layers: list[list[Tensor]], others: list[list[Tensor]]) -> Tensor:
+    """``<P_l, G_l>`` of each layer's tensors with the other list's, ``(L,)``."""
+    flat = [t for layer in layers for t in layer]
+    dtype = _accumulation_dtype(flat) if flat else torch.float32
+    dots = [
+        sum(
+            ((a.to(dtype) * b.to(dtype)).sum() for a, b in zip(la, lb, strict=True)),
+            torch.zeros((), dtype=dtype, device=la[0].device if la else None),
+        )
+        for la, lb in zip(layers, others, strict=True)
+    ]
+    return torch.stack(dots) if dots else torch.zeros(0)
+
+
+def kl_clip_factor(dots: Tensor, lrs: Tensor, kl_clip: float) -> Tensor:
+    r"""kfac-pytorch's KL clipping: the factor
+        :math:`
+    u = \min(1, \sqrt{c / |\sum_l \eta_l^2 \langle P_l, G_l
+    angle|})`
+        that bounds the step's predicted KL divergence
+        :math:`	frac12 \sum_l \eta_l^2 \langle P_l, F_l P_l
+    angle
+        = 	frac12 \sum_l \eta_l^2 \langle P_l, G_l
+    angle` by ``c / 2``."""
+    total = (lrs.to(dots) ** 2 * dots).sum().abs()
+    return torch.clamp(torch.sqrt(kl_clip / total.clamp_min(1e-30)), max=1.0)
+
+
 def factored_gradient_norm(x: Tensor, e: Tensor) -> Tensor:
     r"""``||E^T X||_F`` of a linear layer's weight gradient from its inputs ``X``
     ``(N, i)`` and output-gradients ``E`` ``(N, o)``, without forming it when the
@@ -72,6 +119,62 @@ def factored_gradient_norm(x: Tensor, e: Tensor) -> Tensor:
     if n * (i + o) < i * o:
         return ((e @ e.T) * (x @ x.T)).sum().clamp_min(0).sqrt()
     return torch.linalg.matrix_norm(e.T @ x)
+
+
+def factored_gradient_dot(x: Tensor, e: Tensor, weight: Tensor) -> Tensor:
+    """``<W, E^T X>``, a weight-shaped ``W`` ``(o, i)`` against the never-formed
+    gradient of a linear layer: ``sum((E W) * X)``."""
+    dtype = _accumulation_dtype([x, e, weight])
+    return ((e.to(dtype) @ weight.to(dtype)) * x.to(dtype)).sum()
+
+
+class PlainGradient:
+    """Each preconditioned layer's plain gradient, taken before ``precondition()``
+    overwrites ``.grad``: its norm at once, and (``keep``, for the KL clip) a copy
+    for the inner products. A linear layer whose gradient is never formed (K-FAC's
+    factored path) enters as its inputs ``X`` and output-gradients ``E``.
+
+    Args:
+        layers: the ``.grad`` tensors of each layer (empty for a factored one).
+        factored: layer index -> ``(X, E, has_bias)``.
+        keep: copy the tensors for :meth:`dots`.
+    """
+
+    def __init__(
+        self,
+        layers: list[list[Tensor]],
+        factored: dict[int, tuple[Tensor, Tensor, bool]],
+        *,
+        keep: bool,
+    ) -> None:
+        norms = layer_norms(layers)
+        for i, (x, e, has_bias) in factored.items():
+            squares = factored_gradient_norm(x, e).square()
+            if has_bias:
+                squares = squares + e.sum(0).to(squares.dtype).square().sum()
+            norms[i] = squares.sqrt()
+        self.norms = norms
+        self._layers = (
+            [[t.clone() for t in layer] for layer in layers] if keep else None
+        )
+        self._factored = factored
+
+    def dots(self, after: list[list[Tensor]]) -> Tensor:
+        """``<P_l, G_l>`` of the preconditioned gradients ``after`` with these."""
+        if self._layers is None:
+            raise RuntimeError("PlainGradient(keep=False) holds no copies")
+        # Factored layers had no .grad before (their dots come from X and E).
+        plain = [
+            [] if i in self._factored else lay for i, lay in enumerate(self._layers)
+        ]
+        mine = [[] if i in self._factored else lay for i, lay in enumerate(after)]
+        dots = layer_dots(mine, plain)
+        for i, (x, e, has_bias) in self._factored.items():
+            dot = factored_gradient_dot(x, e, after[i][0])
+            if has_bias:
+                dot = dot + (after[i][1].to(dot.dtype) * e.sum(0).to(dot.dtype)).sum()
+            dots[i] = dot
+        return dots
 
 
 def reject_nonfinite(maker: Any, where: str) -> None:

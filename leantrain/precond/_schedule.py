@@ -71,6 +71,11 @@ class PreconditioningConfig:
     # plain gradient (the optimizer's step size, the preconditioner's direction);
     # None: the preconditioned gradient as the method defines it. See _safeguards.
     grafting: str | None = None
+    # kfac-pytorch's KL clipping: the preconditioned gradient is scaled by
+    # min(1, sqrt(kl_clip / sum_l lr^2 <P_l, G_l>)), bounding the step's predicted
+    # KL divergence; needs the learning rate (the wrapped optimizer's in a loop,
+    # maker.lr otherwise). None: off. See _safeguards.
+    kl_clip: float | None = None
     # A step whose gradient is not finite, without a GradScaler (which skips such
     # steps itself): "skip" (nothing is updated and .grad is cleared, so
     # optimizer.step() changes nothing; warns each time) or "raise".
@@ -83,6 +88,8 @@ class PreconditioningConfig:
         check_positive_float("damping", self.damping)
         check_int("accumulation_steps", self.accumulation_steps, minimum=1)
         check_choice("grafting", self.grafting, (None, "sgd"))
+        if self.kl_clip is not None:
+            check_positive_float("kl_clip", self.kl_clip)
         check_choice("nonfinite", self.nonfinite, ("skip", "raise"))
         if self.ema_decay is not None:
             check_open_unit("ema_decay", self.ema_decay)

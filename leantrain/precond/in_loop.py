@@ -264,6 +264,13 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             f"PreconditionedOptimizer({type(self.maker).__name__}, {self.optimizer!r})"
         )
 
+    def _lr_of(self, param: torch.Tensor) -> float:
+        """The learning rate of the wrapped optimizer's group holding ``param``."""
+        for group in self.optimizer.param_groups:
+            if any(p is param for p in group["params"]):
+                return float(group["lr"])
+        raise ValueError("a preconditioned parameter is in no param group")
+
     # -- the step ------------------------------------------------------------------
     def _arm(self) -> None:
         """Record the model calls before the next step if it updates curvature."""
@@ -318,6 +325,9 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
                 return loss
             grad_scale = getattr(self, "grad_scale", None)
             scale = amp_scale(self, grad_scale, self._grad_scaler)
+        # The KL clip (config.kl_clip) takes each module's learning rate from the
+        # wrapped optimizer; lent for the step only (the maker keeps no reference).
+        self.maker._lr_of = self._lr_of
         try:
             finished = finish_step(
                 self.maker, self._recorder, scale, scaled=found_inf is not None
@@ -325,6 +335,8 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         except FloatingPointError:  # config.nonfinite="raise"
             self._skip_step()
             raise
+        finally:
+            self.maker._lr_of = None
         if not finished:  # a non-finite gradient: skipped as GradScaler would
             self._skip_step()
             return loss

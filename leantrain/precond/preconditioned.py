@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -341,12 +341,21 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
             if preconditioner_due:
                 self.update_preconditioner()
                 self.preconditioner_updates += 1
-            if self.config.grafting is None:
+            config = self.config
+            lrs = None if config.kl_clip is None else self._layer_lrs()
+            if config.grafting is None and lrs is None:
                 self.precondition()
                 return
-            target = self._plain_layer_norms()
+            plain = self._plain_gradient(keep=lrs is not None)
             self.precondition()
-            _safeguards.graft(self._layer_gradients(), target)
+            layers = self._layer_gradients()
+            if config.grafting is not None:
+                _safeguards.graft(layers, plain.norms)
+            if lrs is not None:
+                nu = _safeguards.kl_clip_factor(plain.dots(layers), lrs, config.kl_clip)
+                flat = [t for layer in layers for t in layer]
+                if flat:
+                    torch._foreach_mul_(flat, nu.to(flat[0].dtype))
 
     def _layer_gradients(self) -> list[list[Tensor]]:
         """The ``.grad`` tensors of each preconditioned module (one list a module)."""
@@ -355,14 +364,49 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
             for _, module in self.modules()
         ]
 
-    def _plain_layer_norms(self) -> Tensor:
-        """Each preconditioned module's plain-gradient norm, before
-        :meth:`precondition` (makers that keep gradient pieces outside ``.grad``
-        add theirs)."""
-        return _safeguards.layer_norms(self._layer_gradients())
+    def _plain_gradient(self, *, keep: bool) -> _safeguards.PlainGradient:
+        """Each preconditioned module's plain gradient, before :meth:`precondition`
+        (makers that keep gradient pieces outside ``.grad`` add theirs)."""
+        return _safeguards.PlainGradient(self._layer_gradients(), {}, keep=keep)
+
+    # The learning rate the KL clip assumes: a float or a callable returning the
+    # current one (kfac-pytorch's ``lr=``). PreconditionedOptimizer reads each
+    # module's from the wrapped optimizer instead.
+    lr: float | Callable[[], float] | None = None
+    # Parameter -> the learning rate of its group (set by PreconditionedOptimizer).
+    _lr_of: Callable[[Tensor], float] | None = None
+    _warned_no_lr = False
+
+    def _layer_lrs(self) -> Tensor | None:
+        """Each preconditioned module's learning rate for the KL clip, or None (and
+        a warning, once) when the maker does not know it."""
+        modules = [module for _, module in self.modules()]
+        if self._lr_of is not None:
+            firsts = [next(m.parameters(recurse=False), None) for m in modules]
+            return torch.tensor(
+                [0.0 if p is None else float(self._lr_of(p)) for p in firsts]
+            )
+        if self.lr is not None:
+            lr = self.lr() if callable(self.lr) else self.lr
+            return torch.full((len(modules),), float(lr))
+        if not self._warned_no_lr:
+            self._warned_no_lr = True
+            warnings.warn(
+                f"{type(self).__name__}: config.kl_clip={self.config.kl_clip} needs "
+                "the optimizer's learning rate, which a gradient maker does not see: "
+                "set maker.lr (a float or a callable returning it), or precondition "
+                "inside your loop with precondition_in_loop / "
+                "PreconditionedOptimizer, which reads it; the preconditioned "
+                "gradient is not clipped meanwhile (warned once)",
+                UserWarning,
+                stacklevel=4,
+            )
+        return None
 
     def _gradients_are_finite(self) -> bool:
-        return all_finite([p.grad for p in self.model.parameters() if p.grad is not None])
+        return all_finite(
+            [p.grad for p in self.model.parameters() if p.grad is not None]
+        )
 
     def _skip_nonfinite_step(self, curvature_due: bool, where: str) -> None:
         """A step whose gradient is not finite, without a scaler: raise, or skip it

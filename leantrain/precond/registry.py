@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,13 +62,25 @@ class MethodSpec:
 
 
 _EVERY_10 = {"curvature_interval": 10, "preconditioner_interval": 10}
+# The safeguard of each family, so a first try at the learning rates people start
+# with (SGD 0.05 with momentum 0.9, AdamW 1e-3) does not diverge (measured in
+# benchmarks/precond_stability.py; docs/precond.md, "Safeguards"):
+# - K-FAC and EKFAC: kfac-pytorch's KL clipping at its default 1e-3. It keeps
+#   K-FAC's longer steps while their predicted KL divergence is small, which is
+#   where it gains on SGD; grafting to SGD's layer norms removed that gain (a d 128
+#   GPT, 300 steps: 1.05x SGD's loss grafted, 0.89x clipped).
+# - Shampoo and PSGD: Distributed Shampoo's grafting from SGD (each layer's step
+#   takes its plain gradient's norm): their preconditioned gradients have no
+#   learning-rate scale of their own, and the clip needs one.
+_KL_CLIP = {"kl_clip": 1e-3}
+_GRAFT = {"grafting": "sgd"}
 # Kronecker makers: bias-corrected EMA of the factors; damping per family below.
-_KFAC_CONFIG = {"damping": 1e-2, "ema_decay": 0.95}
+_KFAC_CONFIG = {"damping": 1e-2, "ema_decay": 0.95, **_KL_CLIP}
 # K-FAC itself: at 1e-2 its steps blow up on the digits MLP once the loss nears 0
 # (300 steps of batch 64: every step diverged at step ~100, interval 10 at ~200);
 # at 3e-2 both train stably for 600 steps (loss 0.005 at step 300).
 _KFAC_DAMPING = 3e-2
-_SHAMPOO_CONFIG = {"damping": 1e-4, "ema_decay": 0.95}
+_SHAMPOO_CONFIG = {"damping": 1e-4, "ema_decay": 0.95, **_GRAFT}
 
 
 def _spec(module: str, cls: str, **rest: Any) -> MethodSpec:
@@ -130,8 +143,19 @@ PRECOND_METHODS: dict[str, MethodSpec] = {
     ),
     "shampoo": _shampoo(),
     "shampoo_10": _shampoo(every_10=True),
-    "psgd": _spec("psgd", "PsgdGradientMaker", lr=0.01, note="hvp, every step"),
-    "kbfgs": _spec("kbfgs", "KbfgsGradientMaker", config=dict(_KFAC_CONFIG), lr=0.01),
+    "psgd": _spec(
+        "psgd",
+        "PsgdGradientMaker",
+        config=dict(_GRAFT),
+        lr=0.01,
+        note="hvp, every step",
+    ),
+    "kbfgs": _spec(
+        "kbfgs",
+        "KbfgsGradientMaker",
+        config={"damping": 1e-2, "ema_decay": 0.95},
+        lr=0.01,
+    ),
     # This file's methods: damping / lr from a grid on 60 steps (see the docs page).
     "seng": _spec(
         "seng",
@@ -194,6 +218,7 @@ def make_gradient_maker(
     model: nn.Module,
     *,
     config: dict[str, Any] | None = None,
+    lr: float | Callable[[], float] | None = None,
     **kwargs: Any,
 ) -> PreconditionedGradientMaker:
     """Build method ``name`` for ``model`` with its defaults, updated by the overrides.
@@ -202,6 +227,10 @@ def make_gradient_maker(
         name: a key of :data:`PRECOND_METHODS`.
         model: the module to train (plain or ``DistributedDataParallel``).
         config: ``PreconditioningConfig`` fields overriding the method's.
+        lr: the optimizer's learning rate (a float or a callable returning the
+            current one), which the KL clip of K-FAC and EKFAC assumes
+            (``maker.lr``); :func:`~leantrain.precond.precondition_in_loop` reads
+            it from the optimizer instead.
         **kwargs: maker keyword arguments overriding the method's.
 
     Raises:
@@ -221,4 +250,6 @@ def make_gradient_maker(
     cfg = dataclasses.replace(
         PreconditioningConfig(), **{**spec.config, **(config or {})}
     )
-    return cls(model, cfg, **{**spec.kwargs, **kwargs})
+    maker = cls(model, cfg, **{**spec.kwargs, **kwargs})
+    maker.lr = lr
+    return maker

@@ -58,8 +58,9 @@ def record_batches(model) -> list[dict[str, torch.Tensor]]:
 
 
 def reference(model, method, config, kwargs, steps: list[list[dict]]) -> None:
-    """The gradient maker on each step's union of micro-batches, then SGD."""
-    gm = make_gradient_maker(method, model, config=config, **kwargs)
+    """The gradient maker on each step's union of micro-batches, then SGD (the
+    maker told SGD's learning rate, which the KL clip reads in the loop form)."""
+    gm = make_gradient_maker(method, model, config=config, lr=LR, **kwargs)
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     for micro in steps:
         ids = torch.cat([b["input_ids"] for b in micro])

@@ -135,6 +135,9 @@ def test_another_models_state_is_named_as_such(bits):
     narrow(torch.randn(4, 64)).sum().backward()
     opt.step()
     other = Gefen(wide.parameters(), lr=1e-2, momentum_bits=bits)
-    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(256, 96\)\): the state "
-                       r"was saved for a parameter of another shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 0 \(shape \(256, 96\)\): the state "
+        r"was saved for a parameter of another shape",
+    ):
         other.load_state_dict(opt.state_dict())

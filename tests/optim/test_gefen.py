@@ -283,8 +283,11 @@ def test_state_bytes_per_param_on_mlp(bits, limit):
 def test_bytes_per_param_before_a_step_says_why_it_counts_nothing():
     model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
     opt = Gefen(model.parameters())
-    with pytest.warns(UserWarning, match="46 of 46 parameter elements have no "
-                      r"optimizer state yet \(before the first step"):
+    with pytest.warns(
+        UserWarning,
+        match="46 of 46 parameter elements have no "
+        r"optimizer state yet \(before the first step",
+    ):
         assert bytes_per_param(opt) == 0.0
     model[0](torch.randn(3, 8)).sum().backward()  # the second layer has no grad
     opt.step()

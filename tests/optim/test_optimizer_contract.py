@@ -222,8 +222,8 @@ def test_lr_schedulers_drive_lr_and_betas_like_sgd_momentum(name, scheduler_name
     ref = torch.optim.SGD([ref_param], lr=5e-3, momentum=0.9)
     ref_seen = _run_schedule(ref, SCHEDULERS[scheduler_name](ref), ref.step)
     # Compared as flat lists: pytest.approx does not take nested tuples.
-    lrs, momenta = zip(*seen)
-    ref_lrs, ref_momenta = zip(*ref_seen)
+    lrs, momenta = zip(*seen, strict=True)
+    ref_lrs, ref_momenta = zip(*ref_seen, strict=True)
     assert list(lrs) == pytest.approx(list(ref_lrs), rel=1e-12, abs=0)
     if scheduler_name in ("OneCycleLR", "CyclicLR"):  # the two that cycle momentum
         assert list(momenta) == pytest.approx(list(ref_momenta), rel=1e-12, abs=0)

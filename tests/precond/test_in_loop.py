@@ -101,8 +101,9 @@ def record_steps(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> li
 
 
 def reference_run(method, config, kwargs, model, data, lr=0.05):
-    """The gradient maker in its own loop (it runs forward and backward)."""
-    gm = make_gradient_maker(method, model, config=config, **kwargs)
+    """The gradient maker in its own loop (it runs forward and backward), told the
+    learning rate (the KL clip's), which the loop form reads from the optimizer."""
+    gm = make_gradient_maker(method, model, config=config, lr=lr, **kwargs)
     sgd = torch.optim.SGD(model.parameters(), lr=lr)
     seen = record_steps(sgd, model)
     for x, t in data:
@@ -561,7 +562,9 @@ def test_preconditioner_state_of_another_model_is_refused_by_name(method):
     saved = trained(base).state_dict()
     wider = trained(GPTConfig(**{**base.__dict__, "d_model": 12}))
     step_before = wider.maker.step
-    with pytest.raises(ValueError, match=r"module '\S+' has parameter shapes \[\[") as err:
+    with pytest.raises(
+        ValueError, match=r"module '\S+' has parameter shapes \[\["
+    ) as err:
         wider.load_state_dict(saved)
     assert "12]] here but [[24, 8]] in the state" in str(err.value)
     assert wider.maker.step == step_before  # nothing loaded

@@ -142,7 +142,8 @@ def test_a_diverging_run_never_makes_a_parameter_nan_silently(form, method):
         nn.Linear(5, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 3)
     )
     sgd = torch.optim.SGD(net.parameters(), lr=1.0, momentum=0.9)
-    config = {"damping": 1e-8}
+    # The registry's safeguards (KL clip, grafting) off: this run must diverge.
+    config = {"damping": 1e-8, "kl_clip": None, "grafting": None}
     kwargs = {"loss_type": "mse"} if method == "kfac" else {}
     if form == "maker":
         gm = make_gradient_maker(method, net, config=config, **kwargs)

@@ -71,3 +71,53 @@ def test_factored_gradient_norm_equals_the_formed_gradient(n):
     e = torch.randn(n, 5, dtype=torch.float64)
     want = torch.linalg.matrix_norm(e.T @ x)
     torch.testing.assert_close(factored_gradient_norm(x, e), want)
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac", "shampoo"])
+@pytest.mark.parametrize("lr", [0.5, 1e-4])  # clipped, and not (nu = 1)
+def test_kl_clip_scales_by_kfac_pytorchs_factor(method, lr):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    t = torch.randint(0, 3, (8,), generator=gen)
+    net = model()
+    nets = {c: copy.deepcopy(net) for c in (None, 1e-3)}
+    makers = {
+        c: make_gradient_maker(method, nets[c], config={"kl_clip": c}) for c in nets
+    }
+    makers[1e-3].lr = lambda: lr  # a callable, as kfac-pytorch's lr= may be
+    want = grads(GradientMaker(net), net, x, t)
+    raw = grads(makers[None], nets[None], x, t)
+    got = grads(makers[1e-3], nets[1e-3], x, t)
+    vg = sum((raw[n] * want[n]).sum() for n in want) * lr**2
+    nu = min(1.0, float((1e-3 / vg) ** 0.5))
+    assert (nu < 0.5) == (lr == 0.5)
+    for n in want:
+        torch.testing.assert_close(got[n], raw[n] * nu, rtol=1e-10, atol=1e-14)
+
+
+def test_kl_clip_in_a_loop_reads_the_optimizers_lr_and_warns_without_one():
+    from leantrain.precond import precondition_in_loop
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    t = torch.randint(0, 3, (8,), generator=gen)
+    net = model()
+    ref_net = copy.deepcopy(net)
+    config = {"kl_clip": 1e-3}
+    opt = precondition_in_loop(
+        torch.optim.SGD(net.parameters(), lr=0.5),
+        net,
+        "kfac",
+        config=config,
+        fisher_type="fisher_emp",
+    )
+    ref = make_gradient_maker("kfac", ref_net, config=config, fisher_type="fisher_emp")
+    ref.lr = 0.5
+    F.cross_entropy(net(x), t).backward()
+    opt.step()  # .grad keeps the clipped preconditioned gradient SGD applied
+    want = grads(ref, ref_net, x, t)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-14)
+    bare = make_gradient_maker("kfac", model(), config=config)
+    with pytest.warns(UserWarning, match="needs the optimizer's learning rate"):
+        grads(bare, bare.model, x, t)
