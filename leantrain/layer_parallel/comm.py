@@ -49,6 +49,15 @@ def _timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta
     return datetime.timedelta(seconds=seconds)
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a collective's own small buffers (a residual norm, a seed, a flag) go:
+    the current CUDA device under NCCL, which reduces device tensors only, else the
+    CPU (gloo)."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_max(values: Sequence[float], group=None) -> list[float]:
     """Element-wise maximum over ``group`` (identity without torch.distributed).
 
@@ -57,7 +66,7 @@ def all_reduce_max(values: Sequence[float], group=None) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()):
         return list(values)
     finite = [v if math.isfinite(v) else math.inf for v in values]
-    t = torch.tensor(finite, dtype=torch.float64)
+    t = torch.tensor(finite, dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
@@ -96,6 +105,7 @@ class DistExchange(Exchange):
         self.timeout = _timedelta(timeout)
         self.chunk = self.size - 1 - self.rank if reverse else self.rank
         self.local_chunks = [self.chunk]
+        self.device = collective_device(group)
 
     # ------------------------------------------------------------------ helpers
     def _peer(self, chunk: int) -> int:
@@ -163,7 +173,7 @@ class DistExchange(Exchange):
             self._send_recv(last, c + 1, None, None)
 
     def allreduce_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         try:
             work = dist.all_reduce(t, group=self.group, async_op=True)
         except Exception as err:  # noqa: BLE001
@@ -191,5 +201,6 @@ class DistExchange(Exchange):
 
     def broadcast_int(self, value: int, src_chunk: int = 0) -> int:
         """An integer (e.g. a batch seed) as held by the rank of ``src_chunk``."""
-        t = self.broadcast(torch.tensor([value], dtype=torch.int64), src_chunk)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        t = self.broadcast(t, src_chunk)
         return int(t.item())

@@ -115,19 +115,25 @@ class GPTPipeline:
         self.module = GPTStage(model, self.rank, self.stages)
         mb = batch // micro_batches
         dtype = next(model.parameters()).dtype
+        self.device = device = next(model.parameters()).device
         d, vocab = model.config.d_model, model.config.vocab_size
         # The example tensors are the stage's static metadata; requires_grad on
         # them is what makes a stage send and expect activation gradients.
-        hidden = torch.zeros(mb, seq_len, d, dtype=dtype, requires_grad=True)
+        hidden = torch.zeros(
+            mb, seq_len, d, dtype=dtype, device=device, requires_grad=True
+        )
         first, last = self.module.is_first, self.module.is_last
-        example_in = torch.zeros(mb, seq_len, dtype=torch.long) if first else hidden
-        logits = torch.zeros(mb, seq_len, vocab, dtype=dtype, requires_grad=True)
+        tokens = torch.zeros(mb, seq_len, dtype=torch.long, device=device)
+        example_in = tokens if first else hidden
+        logits = torch.zeros(
+            mb, seq_len, vocab, dtype=dtype, device=device, requires_grad=True
+        )
         example_out = logits if last else hidden
         self.stage = PipelineStage(
             self.module,
             self.rank,
             self.stages,
-            torch.device("cpu"),
+            device,
             input_args=(example_in,),
             output_args=(example_out,),
         )
@@ -149,7 +155,7 @@ class GPTPipeline:
             self.schedule.step(idx, target=targets, losses=losses)
         else:
             self.schedule.step(target=targets, losses=losses)
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.module.is_last:
             loss = torch.stack([v.detach() for v in losses]).double().mean()
         dist.broadcast(loss, self.stages - 1)

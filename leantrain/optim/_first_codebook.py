@@ -48,6 +48,8 @@ def learn_first_codebook(bits: int, members: list[tuple[dict, Tensor, int]]) -> 
         local = torch.zeros(BINS, dtype=torch.float64)
         for g, span, qblock, absmax in parts:
             local += local_histogram(g, span, qblock, absmax, BINS).cpu()
-        counts += _dist.all_reduce(local, "sum", group)
+        # Reduced on the parameters' device (NCCL reduces device tensors only).
+        device = _dist.local(sharded[0][0]).device
+        counts += _dist.all_reduce(local.to(device), "sum", group).cpu()
     codebook = with_exact_zero(learn_codebook(counts, 2**bits).to(torch.float32))
     return codebook.to(_dist.local(members[0][1]).device)

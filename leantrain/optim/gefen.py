@@ -244,7 +244,8 @@ class Gefen(Optimizer):
         finite = _checks.finite_flags([_dist.local(p.grad) for _, p, _ in active])
         sharded = [p for _, p, _ in active if _dist.is_sharded(p)]
         if sharded:
-            flags = torch.tensor(finite, dtype=torch.float32)
+            # On the parameters' device: NCCL reduces device tensors only.
+            flags = torch.tensor(finite, dtype=torch.float32, device=sharded[0].device)
             group = _dist.group_of(sharded[0])
             finite = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
         for ok, (_, _, label) in zip(finite, active, strict=True):
@@ -430,7 +431,7 @@ class Gefen(Optimizer):
         zero = [not bool(_dist.local(p.grad).any()) for _, p, _ in active]
         sharded = [p for _, p, _ in active if _dist.is_sharded(p)]
         if sharded:
-            flags = torch.tensor(zero, dtype=torch.float32)
+            flags = torch.tensor(zero, dtype=torch.float32, device=sharded[0].device)
             group = _dist.group_of(sharded[0])
             zero = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
         if not all(zero):

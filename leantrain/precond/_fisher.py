@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from leantrain.precond._checks import check_choice
+from leantrain.precond._random import DeviceGenerators
 from leantrain.precond.curv import as_loss_spec, output_vectors
 from leantrain.precond.curv.kinds import reduction_factor
 from leantrain.precond.curv.modules import is_supported_module
@@ -116,7 +117,8 @@ class FisherMaker(PreconditionedGradientMaker):
         self.loss_type = loss_type
         self.loss_reduction = loss_reduction
         self.logits_fn = logits_fn or default_logits
-        self.generator = torch.Generator().manual_seed(seed)
+        # Made on the device of the logits they are drawn for (see _random).
+        self.generators = DeviceGenerators(seed)
         super().__init__(model, config)
 
     def is_supported(self, module: nn.Module) -> bool:
@@ -172,9 +174,9 @@ class FisherMaker(PreconditionedGradientMaker):
                 out,
                 targets,
                 n_mc_samples=self.n_mc_samples,
-                generator=self.generator,
+                generator=self.generators.on(out.device),
             )
         )
 
-    def _generator_state(self) -> Tensor:
-        return self.generator.get_state()
+    def _generator_state(self) -> dict[str, Tensor]:
+        return self.generators.get_state()

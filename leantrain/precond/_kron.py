@@ -77,7 +77,7 @@ def read_canonical(op: ModuleOp) -> Tensor | None:
             for p, g in zip(op.params, grads, strict=True)
         ]
     )
-    return flat[op.canon_index]
+    return flat[op.index_on(flat.device)]
 
 
 def write_canonical(op: ModuleOp, canon: Tensor) -> None:
@@ -89,7 +89,7 @@ def write_canonical(op: ModuleOp, canon: Tensor) -> None:
             pieces.append(canon[:, -1])
     else:
         flat = canon.new_empty(op.numel)
-        flat[op.canon_index.reshape(-1)] = canon.reshape(-1)
+        flat[op.index_on(flat.device).reshape(-1)] = canon.reshape(-1)
         pieces = list(flat.split([p.numel() for p in op.params]))
     for p, piece in zip(op.params, pieces, strict=True):
         piece = piece.reshape(p.shape).to(p.dtype)
@@ -349,7 +349,7 @@ class KronFactorMaker(FisherMaker):
         check_extra_state(state, keys, tensor_maps=keys[:2])
         self._load_factor_state(state["factors"])
         self._load_preconditioner_state(state[self.preconditioner_key])
-        self.generator.set_state(state["generator"].clone())
+        self.generators.set_state(state["generator"])
 
     def _factor_state(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}

@@ -94,17 +94,25 @@ def layer_dots(layers: list[list[Tensor]], others: list[list[Tensor]]) -> Tensor
     return torch.stack(dots) if dots else torch.zeros(0)
 
 
-def kl_clip_factor(dots: Tensor, lrs: Tensor, kl_clip: float) -> Tensor:
+def kl_clip_factor(dots: Tensor, lrs: list[float], kl_clip: float) -> Tensor:
     r"""kfac-pytorch's KL clipping: the factor
-        :math:`
-    u = \min(1, \sqrt{c / |\sum_l \eta_l^2 \langle P_l, G_l
-    angle|})`
-        that bounds the step's predicted KL divergence
-        :math:`	frac12 \sum_l \eta_l^2 \langle P_l, F_l P_l
-    angle
-        = 	frac12 \sum_l \eta_l^2 \langle P_l, G_l
-    angle` by ``c / 2``."""
-    total = (lrs.to(dots) ** 2 * dots).sum().abs()
+    :math:`\nu = \min(1, \sqrt{c / |\sum_l \eta_l^2 \langle P_l, G_l \rangle|})`
+    that bounds the step's predicted KL divergence
+    :math:`\frac12 \sum_l \eta_l^2 \langle P_l, F_l P_l \rangle
+    = \frac12 \sum_l \eta_l^2 \langle P_l, G_l \rangle` by ``c / 2``.
+
+    ``dots`` holds :math:`\langle P_l, G_l \rangle` per layer, ``lrs`` each layer's
+    learning rate :math:`\eta_l`."""
+    # The learning rates are host floats: weighing each run of equal rates (one
+    # per param group, in module order) keeps them off the device, where a tensor
+    # of them would be copied over, host synchronised, on every step.
+    total = dots.new_zeros(())
+    start = 0
+    for stop in range(1, len(lrs) + 1):
+        if stop == len(lrs) or lrs[stop] != lrs[start]:
+            total = total + lrs[start] ** 2 * dots[start:stop].sum()
+            start = stop
+    total = total.abs()
     return torch.clamp(torch.sqrt(kl_clip / total.clamp_min(1e-30)), max=1.0)
 
 

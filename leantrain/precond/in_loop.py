@@ -280,7 +280,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         if self.maker.config.curvature_due(self.maker.step):
             self._recorder.start()
             # Monte-Carlo draws of a step the scaler skips are taken back.
-            self._generator_state = self.maker.generator.get_state()
+            self._generator_state = self.maker.generators.get_state()
         else:
             self._recorder.stop()
 
@@ -290,7 +290,7 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         step; record again before the next step if it is due."""
         if self._recorder is not None and self._recorder.recording:
             self._recorder.stop()
-            self.maker.generator.set_state(self._generator_state)
+            self.maker.generators.set_state(self._generator_state)
         self._arm()
 
     # GradScaler.step(self) calls step() itself, with the scale and the inf check

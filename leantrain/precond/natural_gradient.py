@@ -236,4 +236,4 @@ class NaturalGradientMaker(HookedMaker):
                 )
         self.fisher = {k: v.clone() for k, v in state["fisher"].items()}
         self.preconditioner = {k: v.clone() for k, v in state["preconditioner"].items()}
-        self.generator.set_state(state["generator"].clone())
+        self.generators.set_state(state["generator"])

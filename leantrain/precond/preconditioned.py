@@ -377,18 +377,16 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
     _lr_of: Callable[[Tensor], float] | None = None
     _warned_no_lr = False
 
-    def _layer_lrs(self) -> Tensor | None:
+    def _layer_lrs(self) -> list[float] | None:
         """Each preconditioned module's learning rate for the KL clip, or None (and
         a warning, once) when the maker does not know it."""
         modules = [module for _, module in self.modules()]
         if self._lr_of is not None:
             firsts = [next(m.parameters(recurse=False), None) for m in modules]
-            return torch.tensor(
-                [0.0 if p is None else float(self._lr_of(p)) for p in firsts]
-            )
+            return [0.0 if p is None else float(self._lr_of(p)) for p in firsts]
         if self.lr is not None:
             lr = self.lr() if callable(self.lr) else self.lr
-            return torch.full((len(modules),), float(lr))
+            return [float(lr)] * len(modules)
         if not self._warned_no_lr:
             self._warned_no_lr = True
             warnings.warn(

@@ -46,6 +46,7 @@ from leantrain.precond._autograd_maker import twice_differentiable
 from leantrain.precond._checks import check_extra_state
 from leantrain.precond._coverage import check_one_site
 from leantrain.precond._kron import read_canonical, write_canonical
+from leantrain.precond._random import DeviceGenerators
 from leantrain.precond.curv.modules import is_conv1d, make_op
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
@@ -148,7 +149,7 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
             float(precond_lr),
             init_scale,
         )
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generators = DeviceGenerators(seed)
         self.factors: dict[str, list[Tensor]] = {}  # name -> [Q_l, Q_r]
         self.products: dict[str, list[Tensor]] = {}  # name -> [P_l, P_r]
         self._pairs: dict[str, tuple[Tensor, Tensor]] = {}
@@ -167,8 +168,8 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
             # has no bf16/fp16, and the fit's small steps would round away there.
             dtype = like.dtype if like.element_size() >= 4 else torch.float32
             self.factors[name] = [
-                scale * torch.eye(rows, dtype=dtype),
-                scale * torch.eye(cols, dtype=dtype),
+                scale * torch.eye(rows, dtype=dtype, device=like.device),
+                scale * torch.eye(cols, dtype=dtype, device=like.device),
             ]
         self._refresh_products()
 
@@ -181,7 +182,10 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
     def _probes(self) -> dict[str, Tensor]:
         return {
             name: torch.randn(
-                op.canon_index.shape, generator=self.generator, dtype=op.params[0].dtype
+                op.canon_index.shape,
+                generator=self.generators.on(op.params[0].device),
+                dtype=op.params[0].dtype,
+                device=op.params[0].device,
             )
             for name, op in self.ops.items()
         }
@@ -247,7 +251,8 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
     def update_preconditioner(self) -> None:
         """One fitting step of ``Q_l, Q_r`` per layer on this step's pair."""
         for name, (dx, dg) in self._pairs.items():
-            ql, qr = self.factors[name]
+            # The factors follow the layer when the model moves after construction.
+            ql, qr = (q.to(dg.device) for q in self.factors[name])
             self.factors[name] = list(
                 psgd_kron_update(
                     ql, qr, dx.to(ql.dtype), dg.to(ql.dtype), self.precond_lr
@@ -268,7 +273,8 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
             g = read_canonical(op)
             if g is not None:
                 pl, pr = self.products[name]
-                write_canonical(op, pl.to(g.dtype) @ g @ pr.to(g.dtype))
+                pl, pr = (p.to(device=g.device, dtype=g.dtype) for p in (pl, pr))
+                write_canonical(op, pl @ g @ pr)
 
     def _extra_state(self) -> dict[str, Any]:
         return {
@@ -277,7 +283,7 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
                 for n, qs in self.factors.items()
                 for side, q in zip("LR", qs, strict=True)
             },
-            "generator": self.generator.get_state(),
+            "generator": self.generators.get_state(),
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
@@ -292,5 +298,5 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
             n: [state["factors"][f"{n}/L"].clone(), state["factors"][f"{n}/R"].clone()]
             for n in self.ops
         }
-        self.generator.set_state(state["generator"].clone())
+        self.generators.set_state(state["generator"])
         self._refresh_products()

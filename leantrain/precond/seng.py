@@ -117,13 +117,17 @@ class SengGradientMaker(WoodburyMaker):
         super().update_curvature()
         if not self.factors:
             return
-        n = next(iter(self.factors.values())).n
+        first = next(iter(self.factors.values()))
+        n = first.n
         if self.sketching_size >= n:
             return
-        keep = torch.randperm(n, generator=self.generator)[: self.sketching_size]
+        device = next(iter(first.tensors().values())).device
+        keep = torch.randperm(n, generator=self.generators.on(device), device=device)[
+            : self.sketching_size
+        ]
         scale = math.sqrt(n / self.sketching_size)  # unbiased: E[F_sketch] = F
         self.factors = {
-            name: f.map(lambda t: t[keep.to(t.device)]).scaled(scale)
+            name: f.map(lambda t: t[keep]).scaled(scale)
             for name, f in self.factors.items()
         }
 
@@ -173,4 +177,4 @@ class SengGradientMaker(WoodburyMaker):
             eigen.setdefault(name, {})[part] = value.clone()
         self._load_factor_state(state["factors"])
         self.eigen = {n: (p["inv_values"], p["vectors"]) for n, p in eigen.items()}
-        self.generator.set_state(state["generator"].clone())
+        self.generators.set_state(state["generator"])

@@ -324,8 +324,8 @@ def check_refrozen(form, method):
     model.l1.requires_grad_(True)
     ref = copy.deepcopy(model)
     ref_gm, ref_opt = _quiet(build, form, method, ref, config=EVERY_STEP)
-    if hasattr(gm, "generator"):
-        ref_gm.generator.set_state(gm.generator.get_state())
+    if hasattr(gm, "generators"):
+        ref_gm.generators.set_state(gm.generators.get_state())
     want = _quiet(train_built, form, ref_gm, ref_opt, ref, data[2:])
     assert_same(want, _quiet(train_built, form, gm, opt, model, data[2:]))
 

@@ -82,8 +82,8 @@ def test_nonfinite_curvature_pass_is_discarded(method):
     # The next finite step continues from the state of the last finite one: as if
     # the bad step never happened (the step counter aside, which both share here).
     ref.step = gm.step
-    if hasattr(gm, "generator"):  # the bad pass drew its Monte-Carlo samples too
-        ref.generator.set_state(gm.generator.get_state())
+    if hasattr(gm, "generators"):  # the bad pass drew its Monte-Carlo samples too
+        ref.generators.set_state(gm.generators.get_state())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once only
         got = step(gm, net, x2, t2)

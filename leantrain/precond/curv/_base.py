@@ -53,16 +53,26 @@ class ModuleOp:
         self.canon_index = torch.empty(0, 0, dtype=torch.long)
 
     # -- layout --------------------------------------------------------------------
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`canon_index` on ``device``, where it then stays.
+
+        The index is built on the CPU with the op, and the model often moves to
+        the GPU afterwards; a CPU index into a CUDA tensor would be copied to the
+        device (and the host synchronised) on every use."""
+        if self.canon_index.device != device:
+            self.canon_index = self.canon_index.to(device)
+        return self.canon_index
+
     def to_canonical(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Tensors shaped like :attr:`params` (values, gradients) as canonical
         ``(R, U)``."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        return flat[self.canon_index]
+        return flat[self.index_on(flat.device)]
 
     def from_canonical(self, canon: torch.Tensor) -> list[torch.Tensor]:
         """A canonical ``(R, U)`` matrix as tensors shaped like :attr:`params`."""
         flat = canon.new_empty(self.numel)
-        flat[self.canon_index.reshape(-1)] = canon.reshape(-1)
+        flat[self.index_on(flat.device).reshape(-1)] = canon.reshape(-1)
         return [
             piece.reshape(p.shape)
             for p, piece in zip(
@@ -112,7 +122,8 @@ class ModuleOp:
         """Per-example gradients ``(n, P_m)`` in module parameter order."""
         canon = self.per_example(data, sl)
         flat = canon.new_zeros(canon.shape[0], self.numel)
-        flat[:, self.canon_index.reshape(-1)] = canon.reshape(canon.shape[0], -1)
+        index = self.index_on(flat.device).reshape(-1)
+        flat[:, index] = canon.reshape(canon.shape[0], -1)
         return flat
 
     def summed(self, data: list) -> torch.Tensor:

@@ -158,8 +158,10 @@ class TiedOp(ModuleOp):
             part = self.members[i].per_example_flat(sites, sl)
             if flat is None:
                 flat = part.new_zeros(part.shape[0], self.numel)
+            if self._flat[i].device != flat.device:  # the model moved (see index_on)
+                self._flat[i] = self._flat[i].to(flat.device)
             flat[:, self._flat[i]] += part
-        return flat[:, self.canon_index]
+        return flat[:, self.index_on(flat.device)]
 
     def _oriented(self, i: int) -> bool:
         """Whether site ``i``'s canonical rows are the parameter's rows (Linear);

@@ -205,7 +205,12 @@ def _hessian(model, loss_fn, spec, inputs, targets, shape, ignore_modules) -> Cu
         offsets[id(p)] = start
         start += p.numel()
     index = {
-        name: torch.cat([torch.arange(p.numel()) + offsets[id(p)] for p in op.params])
+        name: torch.cat(
+            [
+                torch.arange(p.numel(), device=p.device) + offsets[id(p)]
+                for p in op.params
+            ]
+        )
         for name, op in ops.items()
     }
     tracked = [p for op in ops.values() for p in op.params]

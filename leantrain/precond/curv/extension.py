@@ -117,7 +117,10 @@ class CurvatureCollector:
         self.numel = start
         self.index = {
             name: torch.cat(
-                [torch.arange(p.numel()) + offsets[id(p)] for p in op.params]
+                [
+                    torch.arange(p.numel(), device=p.device) + offsets[id(p)]
+                    for p in op.params
+                ]
             )
             for name, op in self.ops.items()
         }
