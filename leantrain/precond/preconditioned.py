@@ -200,13 +200,19 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
 
     # -- module selection -----------------------------------------------------------
     def modules(self) -> Iterator[tuple[str, nn.Module]]:
-        """Yield ``(name, module)`` for supported modules not ignored by the config.
+        """The ``(name, module)`` pairs of supported modules not ignored by the config.
 
         A module is ignored if it, or a module containing it, is an ignored instance
         or an instance of an ignored class, or if its name contains an ignored
-        substring.
+        substring. The walk runs once per model and ``ignore_modules``: every step
+        asks for the modules several times, and walking the tree each time cost a
+        tenth of a small GPT's plain step.
         """
-        yield from self._walk(supported_only=True)
+        key = (id(self.model), self.config.ignore_modules)
+        if self.__dict__.get("_modules_key") != key:
+            self._modules_cache = list(self._walk(supported_only=True))
+            self._modules_key = key
+        return iter(self._modules_cache)
 
     def _walk(self, *, supported_only: bool) -> Iterator[tuple[str, nn.Module]]:
         """The modules not ignored by the config (supported ones only, or all)."""
