@@ -122,11 +122,14 @@ def test_dt_one_serial_is_the_hf_model(family, base):
     _assert_close(_run(ref, inputs), _run(model, inputs), 1e-10)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_t_final_mgrit_to_exactness_equals_the_serial_ode(family):
+def test_t_final_mgrit_to_exactness_equals_the_serial_ode(family, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
     h = 0.25  # t_final = 1
-    ref = _model(family)
-    inputs = _inputs(family)
+    ref = _model(family).to(device)
+    inputs = {k: v.to(device) for k, v in _inputs(family).items()}
     options = dict(t_final=1.0, levels=2, cf=2, chunks=2, skip_downcycle=False)
     # N / (2 cf) = 1 cycle is exact; 2 leave no doubt
     exact = copy.deepcopy(ref)
@@ -144,6 +147,7 @@ def test_t_final_mgrit_to_exactness_equals_the_serial_ode(family):
     _assert_close(expected, _run(exact, inputs), 1e-10)
     _assert_close(expected, _run(serial_fwd, inputs), 1e-10)
     assert _find_lp(exact).stats.backward.iterations == 2
+    assert all(p.device.type == device for p in exact.parameters())
     # the comparison resolves a wrong solve: one coarse-only cycle is not exact
     y, _, grads = _run(inexact, inputs)
     assert (y - expected[0]).abs().max().item() > 1e-9

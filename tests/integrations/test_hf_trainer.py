@@ -37,7 +37,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _args(output_dir, **overrides) -> transformers.TrainingArguments:
+def _args(output_dir, device="cpu", **overrides) -> transformers.TrainingArguments:
     options = dict(
         output_dir=str(output_dir),
         max_steps=STEPS,
@@ -47,7 +47,7 @@ def _args(output_dir, **overrides) -> transformers.TrainingArguments:
         save_steps=SAVE_AT,
         logging_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=device == "cpu",  # else the Trainer's accelerator: CUDA here
         seed=0,
         data_seed=0,
         dataloader_num_workers=0,
@@ -64,11 +64,11 @@ def _optimizers(how: str, model: torch.nn.Module) -> dict:
     return {"optimizer_cls_and_kwargs": (Gefen, {"lr": 1e-2, "momentum_bits": 4})}
 
 
-def _trainer(how: str, build, output_dir) -> transformers.Trainer:
+def _trainer(how: str, build, output_dir, device="cpu") -> transformers.Trainer:
     model = build()
     return transformers.Trainer(
         model=model,
-        args=_args(output_dir),
+        args=_args(output_dir, device),
         train_dataset=_Tokens(),
         **_optimizers(how, model),
     )
@@ -82,14 +82,18 @@ def _inner(optimizer):
 BUILDERS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 @pytest.mark.parametrize("how", ["instance", "cls_and_kwargs"])
-def test_trainer_resume_is_bit_exact(how, family, tmp_path):
+def test_trainer_resume_is_bit_exact(how, family, device, tmp_path):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
     build = BUILDERS[family]
-    full = _trainer(how, build, tmp_path / "full")
+    full = _trainer(how, build, tmp_path / "full", device)
     result = full.train()
     optimizer = _inner(full.optimizer)
     assert isinstance(optimizer, Gefen)
+    assert next(full.model.parameters()).device.type == device
     assert result.global_step == STEPS
     assert bytes_per_param(optimizer) < 2.0  # Gefen's state, not AdamW's 8 bytes
     if how == "cls_and_kwargs":  # the Trainer's decay / no-decay groups reached Gefen
@@ -99,7 +103,7 @@ def test_trainer_resume_is_bit_exact(how, family, tmp_path):
 
     checkpoint = tmp_path / "full" / f"checkpoint-{SAVE_AT}"
     assert (checkpoint / "optimizer.pt").is_file()
-    resumed = _trainer(how, build, tmp_path / "resumed")
+    resumed = _trainer(how, build, tmp_path / "resumed", device)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == STEPS
     actual = dict(resumed.model.named_parameters())

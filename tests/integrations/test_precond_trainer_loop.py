@@ -141,9 +141,10 @@ def test_hf_trainer_equals_gradient_maker(case, accumulate, tmp_path):
     assert_trained(model, initial)
 
 
-def _trainer(model, opt, out, steps: int) -> transformers.Trainer:
+def _trainer(model, opt, out, steps: int, device="cpu") -> transformers.Trainer:
     """Four steps' worth of data (the same shuffle for every run), a checkpoint
-    every two steps."""
+    every two steps; on ``device`` (the Trainer moves the model there after the
+    preconditioner was built on the CPU)."""
     args = transformers.TrainingArguments(
         output_dir=str(out),
         max_steps=steps,
@@ -153,7 +154,7 @@ def _trainer(model, opt, out, steps: int) -> transformers.Trainer:
         save_strategy="steps",
         save_steps=2,
         report_to=[],
-        use_cpu=True,
+        use_cpu=device == "cpu",
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
@@ -166,9 +167,12 @@ def _trainer(model, opt, out, steps: int) -> transformers.Trainer:
     )
 
 
-def test_hf_trainer_resume_restores_the_curvature(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_hf_trainer_resume_restores_the_curvature(device, tmp_path):
     # Resuming from the step-2 checkpoint reproduces the uninterrupted run: the
     # checkpoint's optimizer state carries the factors, the EMA and the counters.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
     method, config, kwargs = METHODS["kfac-emp"]
 
     def wrapped(model):
@@ -176,12 +180,13 @@ def test_hf_trainer_resume_restores_the_curvature(tmp_path):
         return precondition_in_loop(sgd, model, method, config=config, **kwargs)
 
     full = llama()
-    _trainer(full, wrapped(full), tmp_path / "full", 4).train()
+    _trainer(full, wrapped(full), tmp_path / "full", 4, device).train()
+    assert next(full.parameters()).device.type == device
     first = llama()
-    _trainer(first, wrapped(first), tmp_path / "cut", 2).train()
+    _trainer(first, wrapped(first), tmp_path / "cut", 2, device).train()
     resumed = llama(seed=1)  # other weights: the checkpoint must restore them
     opt = wrapped(resumed)
-    trainer = _trainer(resumed, opt, tmp_path / "cut", 4)
+    trainer = _trainer(resumed, opt, tmp_path / "cut", 4, device)
     trainer.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
     assert (opt.maker.step, opt.maker.curvature_updates) == (4, 3)  # steps 0, 1, 3
     assert_same_parameters(resumed, full)

@@ -57,7 +57,7 @@ class Loop:
     reentrant: bool | None = None  # checkpoint the layers (None: no checkpointing)
     amp: torch.dtype | None = None  # forward and backward under torch.autocast
     step_in_amp: bool = False  # opt.step() inside the autocast block too
-    scaler: bool = False  # torch.amp.GradScaler("cpu")
+    scaler: bool = False  # torch.amp.GradScaler(device)
     manual_scale: bool = False  # the scaler's scales, unscaled by hand
     inf_at: int | None = None  # the loss is inf at this step
     micro: int = 1  # micro-batches per step (gradient accumulation)
@@ -66,6 +66,7 @@ class Loop:
     channels_last: bool = False
     shadow: bool = False  # return a contiguous twin stepped with the same grads
     float64: bool = False
+    device: str = "cpu"  # where the model, its batches, autocast and the scaler run
 
 
 class ConvNet(nn.Module):
@@ -155,8 +156,11 @@ def depth_model(loop: Loop, layer_parallel: bool) -> nn.Module:
     return model.double() if loop.amp is None else model
 
 
-def batches(model: nn.Module, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
-    """``STEPS`` batches of 8 inputs for ``model`` (images, or tokens for GPT)."""
+def batches(
+    model: nn.Module, dtype: torch.dtype, device: str = "cpu"
+) -> list[tuple[torch.Tensor, ...]]:
+    """``STEPS`` batches of 8 inputs for ``model`` (images, or tokens for GPT), drawn
+    on the CPU (the same numbers on every device) and moved to ``device``."""
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(STEPS):
@@ -166,7 +170,7 @@ def batches(model: nn.Module, dtype: torch.dtype) -> list[tuple[torch.Tensor, ..
         else:
             x = torch.randn(8, 3, 6, 6, generator=gen, dtype=dtype)
             y = torch.randn(8, 4, generator=gen, dtype=dtype)
-        out.append((x, y))
+        out.append((x.to(device), y.to(device)))
     return out
 
 
@@ -188,7 +192,7 @@ def train(
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``STEPS`` steps of ``loop``; returns the model and optimizer (the contiguous
     twin's with ``shadow``)."""
-    model = build(loop)
+    model = build(loop).to(loop.device)
     if loop.float64:
         model = model.double()
     if loop.channels_last:
@@ -196,7 +200,7 @@ def train(
     opt = make_opt(model)
     twin = None
     if loop.shadow:
-        twin = build(Loop()).to(next(model.parameters()).dtype)
+        twin = build(Loop()).to(next(model.parameters()))
         twin.opt = make_opt(twin)
     with warnings.catch_warnings():
         # an inf loss: Gefen warns of the step it skips
@@ -216,18 +220,19 @@ def _run(
         )
     if loop.compile_step:
         step = torch.compile(opt.step, backend="aot_eager")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if loop.scaler else None
+    device = loop.device
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**8) if loop.scaler else None
     scale = 2.0**8
     params = list(model.parameters())
-    amp = torch.autocast("cpu", dtype=loop.amp or torch.bfloat16)
-    for i, (x, y) in enumerate(batches(model, params[0].dtype)):
+    amp = torch.autocast(device, dtype=loop.amp or torch.bfloat16)
+    for i, (x, y) in enumerate(batches(model, params[0].dtype, device)):
         if loop.frozen is not None:
             for k, part in enumerate(model.freezable):
                 part.requires_grad_(loop.frozen == "none" or k not in FROZEN[i])
         if loop.channels_last:
             x = x.to(memory_format=torch.channels_last)
         opt.zero_grad()
-        with torch.autocast("cpu", enabled=False) if loop.amp is None else amp:
+        with torch.autocast(device, enabled=False) if loop.amp is None else amp:
             for xs, ys in zip(x.chunk(loop.micro), y.chunk(loop.micro), strict=True):
                 loss = (forward(xs).to(ys.dtype) - ys).square().sum() / len(x)
                 if i == loop.inf_at:

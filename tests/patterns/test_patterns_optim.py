@@ -11,6 +11,8 @@ exactness against the serial stack under the same pattern, trained with SGD.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import math
 
@@ -159,16 +161,69 @@ def test_layer_parallel_pattern_equals_serial(pattern):
     assert_close(model, want, LP_TOL.get(pattern, 1e-10))
 
 
-def test_layer_parallel_controller_waits_out_a_grad_scaler_overflow():
+# On CUDA, the patterns a GPU changes most: torch.compile, autocast, and a GradScaler
+# with a real overflow step. Each CUDA loop is checked against its plain reference
+# on CUDA (the table's tolerance; Gefen's CPU loops agree bit for bit, a CUDA
+# kernel may move a code by one), and against the same loop on the CPU (other
+# kernels: TF32 convolutions by default, other bf16/fp16 matmul rounding).
+CUDA_PATTERNS = ("compile_model", "autocast_bf16", "grad_scaler_fp16")
+CUDA_TOL = 1e-4
+CUDA_VS_CPU_TOL = 2e-2
+
+
+def _require(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("axis", list(OPTIMIZERS))
+@pytest.mark.parametrize("pattern", CUDA_PATTERNS)
+def test_gefen_pattern_on_cuda(pattern, axis):
+    _require("cuda")
+    loop, reference, tol = PATTERNS[pattern]
+    cuda = dataclasses.replace(loop, device="cuda")
+    model, opt = train(cuda, ConvNet, OPTIMIZERS[axis])
+    want, _ = train(
+        dataclasses.replace(reference, device="cuda"), ConvNet, OPTIMIZERS[axis]
+    )
+    assert all(p.is_cuda for p in model.parameters())
+    assert all(
+        t.is_cuda for state in opt.state.values() for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )  # fmt: skip
+    assert_close(model, want, max(tol, CUDA_TOL))
+    assert _steps_taken(model, opt) == _expected_steps(model, loop)
+    if loop.scaler:  # the scaler skipped the overflow step; Gefen never saw it
+        assert opt.nonfinite_steps == 0
+    on_cpu, _ = train(loop, ConvNet, OPTIMIZERS[axis])
+    assert_close(copy.deepcopy(model).cpu(), on_cpu, CUDA_VS_CPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", CUDA_PATTERNS)
+def test_layer_parallel_pattern_on_cuda(pattern):
+    _require("cuda")
+    loop = dataclasses.replace(PATTERNS[pattern][0], device="cuda")
+    model, _ = train(loop, functools.partial(depth_model, layer_parallel=True), sgd)
+    want, _ = train(loop, functools.partial(depth_model, layer_parallel=False), sgd)
+    assert all(p.is_cuda for p in model.parameters())
+    assert model.stack.stats.forward.iterations == 2
+    assert_close(model, want, LP_TOL.get(pattern, 1e-10))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_layer_parallel_controller_waits_out_a_grad_scaler_overflow(device):
     """A check batch whose scaled loss overflowed measures nothing (the adjoint
     starts from inf): the Controller checks the next batch instead of switching
     the stack to serial."""
-    model = depth_model(Loop(amp=FP16), layer_parallel=True)
+    _require(device)
+    model = depth_model(Loop(amp=FP16), layer_parallel=True).to(device)
     ctrl = Controller(model, every=2, policy="serial")
-    opt, scaler = sgd(model), torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    for i, (x, y) in enumerate(batches(model, torch.float32)):
+    opt, scaler = sgd(model), torch.amp.GradScaler(device, init_scale=2.0**8)
+    for i, (x, y) in enumerate(batches(model, torch.float32, device)):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=FP16):
+        with torch.autocast(device, dtype=FP16):
             loss = (model(x).float() - y).square().mean()
         scaler.scale(loss * (math.inf if i == 0 else 1.0)).backward()
         scaler.step(opt)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import _precond_builders as builders
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,16 +142,18 @@ def check_autocast(form, method):
     # As tests/precond/test_registry.py for a bf16 model: two steps on one batch
     # (lr 0), float32 against bfloat16 autocast; the curvature arithmetic runs
     # outside autocast, in float32.
-    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1))
-    t = torch.arange(16) % 3
+    device = builders.DEVICE
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1)).to(device)
+    t = (torch.arange(16) % 3).to(device)
     grads = []
     for enabled in (False, True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+        model = model.to(device)
         gm, opt = _quiet(build, form, method, model, lr=0.0)
         for _ in range(2):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=enabled):
                 if form == "gm":
                     gm.setup_loss_call(
                         F.cross_entropy, gm.setup_model_call(model, x), t
@@ -178,7 +181,7 @@ def _scaler_data():
 
 def check_grad_scaler(form, method):
     data = _scaler_data()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler(builders.DEVICE, init_scale=2.0**10)
     if form == "gm" and method in OWN_PASSES:
         with pytest.raises(ValueError, match="cannot take grad_scaler"):
             train(form, method, net(), data, scaler=scaler)
@@ -397,4 +400,24 @@ CHECKS = {
     ("pattern", "form", "method"), [c for p in CHECKS for c in cells(p)]
 )
 def test_cell(pattern, form, method):
+    CHECKS[pattern](form, method)
+
+
+# On CUDA: the checks a GPU changes most (torch.compile, bf16 autocast, a GradScaler
+# with a real overflow step) for the methods a user starts with, both forms, with
+# the builders' tensors on the device.
+CUDA_CHECKS = ("compile", "autocast", "grad_scaler")
+CUDA_METHODS = {"kfac", "kfac_10", "ekfac", "shampoo", "psgd"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("pattern", "form", "method"),
+    [c for p in CUDA_CHECKS for c in cells(p) if c.values[2] in CUDA_METHODS],
+)
+def test_cell_on_cuda(pattern, form, method, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
+    monkeypatch.setattr(builders, "DEVICE", "cuda")
+    assert net().l1.weight.is_cuda
     CHECKS[pattern](form, method)
