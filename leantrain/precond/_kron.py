@@ -29,12 +29,23 @@ from leantrain.precond._factored import LinearCapture
 from leantrain.precond._fisher import FisherMaker
 from leantrain.precond._gram import LowRankFactor
 from leantrain.precond._safeguards import PlainGradient
-from leantrain.precond.curv import CurvatureCollector, cholesky_ex, cholesky_inverse
+from leantrain.precond.curv import (
+    CurvatureCollector,
+    cholesky_ex,
+    cholesky_inverse,
+    damped_cholesky,
+)
 from leantrain.precond.curv.modules import ModuleOp
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import PreconditioningConfig
 
-__all__ = ["KronFactorMaker", "damped_inverse", "read_canonical", "write_canonical"]
+__all__ = [
+    "KronFactorMaker",
+    "damped_inverse",
+    "damped_inverses",
+    "read_canonical",
+    "write_canonical",
+]
 
 
 def damped_inverse(matrix: Tensor, damping: float) -> Tensor:
@@ -56,6 +67,43 @@ def damped_inverse(matrix: Tensor, damping: float) -> Tensor:
             # per inversion buys row-major operands for all the steps that reuse it.
             return torch.cholesky_inverse(factor).contiguous()
     return cholesky_inverse(matrix, damping)
+
+
+def damped_inverses(
+    matrices: list[Tensor], dampings: list[float], *, cholesky: bool = False
+) -> list[Tensor]:
+    """:func:`damped_inverse` of every matrix with its own damping (or, with
+    ``cholesky``, :func:`~leantrain.precond.curv.damped_cholesky`'s lower factor),
+    one batched factorization per group of the same shape, dtype and device.
+
+    The same arithmetic on the same entries as one matrix at a time (LAPACK factors
+    a batch member by member); what a batch saves is calls, and on a GPU the check
+    of each factorization's ``info``, which waits for the device: one wait per
+    group instead of one per factor. A group where a member fails is redone one
+    matrix at a time, through the single-matrix path and its float64 retry.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(matrices):
+        groups.setdefault((m.shape, m.dtype, m.device), []).append(i)
+    out: list[Tensor] = [matrices[0]] * len(matrices)
+    for (_, dtype, device), members in groups.items():
+        result = None
+        if dtype in (torch.float32, torch.float64):
+            damped = torch.stack([matrices[i] for i in members])
+            shift = torch.tensor([dampings[i] for i in members], dtype=dtype)
+            damped.diagonal(dim1=-2, dim2=-1).add_(shift.to(device).unsqueeze(-1))
+            factor, info = cholesky_ex(damped)
+            if not bool((info != 0).any()):
+                # row-major copies: see damped_inverse
+                result = factor if cholesky else torch.cholesky_inverse(factor)
+        for k, i in enumerate(members):
+            if result is not None:
+                out[i] = result[k].contiguous()
+            elif cholesky:
+                out[i] = damped_cholesky(matrices[i], dampings[i]).contiguous()
+            else:
+                out[i] = damped_inverse(matrices[i], dampings[i]).contiguous()
+    return out
 
 
 def read_canonical(op: ModuleOp) -> Tensor | None:

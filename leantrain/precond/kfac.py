@@ -44,12 +44,12 @@ from leantrain.precond._kfac_apply import (
 from leantrain.precond._kron import (
     KronFactorMaker,
     damped_inverse,
+    damped_inverses,
     read_canonical,
     write_canonical,
 )
 from leantrain.precond.curv import (
     cholesky_inverse,
-    damped_cholesky,
     pi_damping,
     pi_split,
     robust_eigh,
@@ -228,6 +228,7 @@ class KfacGradientMaker(KronFactorMaker):
         # costs twice the factorization and only pays off when reused.
         solve = self.config.preconditioner_interval == 1
         inverses: dict[str, dict[str, Any]] = {}
+        dense: list[tuple[str, str]] = []  # (name, "A" | "B"), inverted together
         for name, f in self._factors.items():
             if "unit" in f:
                 inverses[name] = {"unit": damped_inverse(f["unit"], lam)}
@@ -236,22 +237,56 @@ class KfacGradientMaker(KronFactorMaker):
                 inverses[name] = self._operators(f, lam)
                 continue
             inv: dict[str, Any] = {"A": [], "B": []}
-            if solve and self.damping_mode != "exact":
-                inv["cholesky"] = True
-            for a, b in zip(f["A"], f["B"], strict=True):
-                if self.damping_mode == "exact":
+            if self.damping_mode == "exact":
+                for a, b in zip(f["A"], f["B"], strict=True):
                     inv["A"].append(robust_eigh(a))
                     inv["B"].append(robust_eigh(b))
-                    continue
-                if self.damping_mode == "pi":
-                    damp_a, damp_b = pi_damping(a, b, lam)
-                else:
-                    damp_a = damp_b = math.sqrt(lam)
-                invert = damped_cholesky if solve else damped_inverse
-                inv["A"].append(invert(a, damp_a))
-                inv["B"].append(invert(b, damp_b))
+            else:
+                if solve:
+                    inv["cholesky"] = True
+                dense += [(name, "A"), (name, "B")]
             inverses[name] = inv
+        if dense:
+            matrices = [m for name, key in dense for m in self._factors[name][key]]
+            damps = self._dense_dampings(dense, lam)
+            done = iter(damped_inverses(matrices, damps, cholesky=solve))
+            for name, key in dense:
+                inverses[name][key] = [next(done) for _ in self._factors[name][key]]
         self.inverses = inverses
+
+    def _dense_dampings(self, dense: list[tuple[str, str]], lam: float) -> list[float]:
+        """Each dense factor's share of ``λ``, in the order of ``dense``'s matrices:
+        the π split (traces read from the device in one transfer, not one per
+        factor) or ``sqrt(λ)`` each."""
+        count = sum(len(self._factors[name][key]) for name, key in dense)
+        if self.damping_mode != "pi":
+            return [math.sqrt(lam)] * count
+        traces, sizes = {}, {}
+        for name, key in dense:
+            for i, m in enumerate(self._factors[name][key]):
+                traces[(name, key, i)] = m.diagonal(dim1=-2, dim2=-1).sum()
+                sizes[(name, key, i)] = m.shape[-1]
+        # as pi_damping: the trace in the factor's dtype, the mean in Python floats;
+        # one transfer per device
+        by_device: dict[torch.device, list[tuple]] = {}
+        for k, t in traces.items():
+            by_device.setdefault(t.device, []).append(k)
+        host = {}
+        for keys in by_device.values():
+            read = torch.stack([traces[k].double() for k in keys]).tolist()
+            host.update({k: t / sizes[k] for k, t in zip(keys, read, strict=True)})
+        damps = {}
+        for name, key in dense:
+            if key == "B":
+                continue
+            for i in range(len(self._factors[name]["A"])):
+                a, b = pi_split(host[(name, "A", i)], host[(name, "B", i)], lam)
+                damps[(name, "A", i)], damps[(name, "B", i)] = a, b
+        return [
+            damps[(name, key, i)]
+            for name, key in dense
+            for i in range(len(self._factors[name][key]))
+        ]
 
     def _operators(self, f: dict[str, Any], lam: float) -> dict[str, Any]:
         """Inverse operators of low-rank factors: Gram-matrix or Cholesky, per side."""

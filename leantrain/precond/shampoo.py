@@ -43,7 +43,7 @@ from leantrain.precond.preconditioned import (
     PreconditioningConfig,
 )
 
-__all__ = ["ShampooGradientMaker", "inverse_root", "matrix_blocks"]
+__all__ = ["ShampooGradientMaker", "inverse_root", "inverse_roots", "matrix_blocks"]
 
 
 def inverse_root(stat: Tensor, exponent: float, damping: float) -> Tensor:
@@ -55,6 +55,33 @@ def inverse_root(stat: Tensor, exponent: float, damping: float) -> Tensor:
     vals, vecs = robust_eigh(stat)
     scale = (vals.clamp(min=0) + damping).pow(-1.0 / exponent)
     return (vecs * scale.unsqueeze(0)) @ vecs.T
+
+
+def inverse_roots(
+    stats: list[Tensor], exponents: list[float], damping: float
+) -> list[Tensor]:
+    """:func:`inverse_root` of every statistic, one batched ``eigh`` per group of
+    the same shape, dtype, device and exponent.
+
+    A transformer's layers repeat a handful of shapes, so a refresh is a few
+    decompositions of stacks instead of one per statistic: on a GPU each ``eigh``
+    call (and the check of its result for the fp64 retry) waits for the device, so
+    the calls, not the arithmetic, set a refresh's cost there. A group is retried in
+    float64 as a whole when one of its members fails in float32.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, (s, e) in enumerate(zip(stats, exponents, strict=True)):
+        groups.setdefault((s.shape, s.dtype, s.device, e), []).append(i)
+    out: list[Tensor] = [stats[0]] * len(stats)
+    for (*_, exponent), members in groups.items():
+        stack = torch.stack([stats[i] for i in members])
+        vals, vecs = robust_eigh(stack)
+        scale = (vals.clamp(min=0) + damping).pow(-1.0 / exponent)
+        # the products one by one: a batched GEMM rounds differently from
+        # inverse_root's, and a refresh should not depend on its neighbours
+        for i, v, c in zip(members, vecs.unbind(), scale.unbind(), strict=True):
+            out[i] = (v * c.unsqueeze(0)) @ v.T
+    return out
 
 
 def matrix_blocks(shape: tuple[int, ...], block_size: int) -> list[tuple[slice, slice]]:
@@ -244,15 +271,25 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
             self.statistics[name] = new
 
     def update_preconditioner(self) -> None:
-        """Inverse roots ``(S + ε I)^{-1/4}`` (``-1/2`` one-sided) via ``eigh``."""
-        eps = self.config.damping
-        self.roots = {
-            name: [
-                [inverse_root(s, 2.0 if len(stats) == 1 else 4.0, eps) for s in stats]
-                for stats in blocks
-            ]
+        """Inverse roots ``(S + ε I)^{-1/4}`` (``-1/2`` one-sided) via ``eigh``,
+        batched over the statistics of one shape (:func:`inverse_roots`)."""
+        where, stats, exponents = [], [], []
+        for name, blocks in self.statistics.items():
+            for k, block in enumerate(blocks):
+                for side, s in enumerate(block):
+                    where.append((name, k, side))
+                    stats.append(s)
+                    exponents.append(2.0 if len(block) == 1 else 4.0)
+        roots: dict[str, list[list[Tensor]]] = {
+            name: [[None] * len(block) for block in blocks]
             for name, blocks in self.statistics.items()
         }
+        if stats:
+            for (name, k, side), root in zip(
+                where, inverse_roots(stats, exponents, self.config.damping), strict=True
+            ):
+                roots[name][k][side] = root
+        self.roots = roots
 
     @torch.no_grad()
     def precondition(self) -> None:

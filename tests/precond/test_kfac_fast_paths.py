@@ -138,3 +138,33 @@ def test_cholesky_state_dict_resume_is_bit_exact():
         on_save=saved_cholesky,
         on_load=loaded_cholesky,
     )
+
+
+@pytest.mark.parametrize("cholesky", [False, True])
+def test_batched_damped_inverses_equal_one_at_a_time(cholesky):
+    # Mixed shapes and dampings, groups interleaved, one float32 group with a
+    # member that is indefinite after damping in float32 (the group is redone one
+    # by one, through the single-matrix path's float64 retry): each result is the
+    # single-matrix function's, in its place.
+    from leantrain.precond._kron import damped_inverse, damped_inverses
+    from leantrain.precond.curv import damped_cholesky
+
+    gen = torch.Generator().manual_seed(2)
+
+    def psd(n, dtype=torch.float64):
+        m = torch.randn(n, n + 3, generator=gen, dtype=torch.float64)
+        return (m @ m.T).to(dtype)
+
+    # exact in float32; + 0.1 I is positive definite, but float32's Cholesky
+    # rounds the rank-one update to a negative pivot, float64's does not
+    v = torch.arange(1.0, 7.0)
+    rank_one = torch.outer(v, v) * 2.0**20
+    matrices = [psd(5), psd(3), psd(5), rank_one, psd(6, torch.float32), psd(3)]
+    dampings = [1e-2, 3e-1, 2e-3, 1e-1, 5e-2, 1e-1]
+    assert torch.linalg.cholesky_ex(rank_one + 0.1 * torch.eye(6))[1] != 0
+    got = damped_inverses(matrices, dampings, cholesky=cholesky)
+    single = damped_cholesky if cholesky else damped_inverse
+    for m, d, g in zip(matrices, dampings, got, strict=True):
+        want = single(m, d)
+        assert g.dtype == m.dtype and g.is_contiguous()
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=0.0)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.shampoo import ShampooGradientMaker
+from leantrain.precond.shampoo import ShampooGradientMaker, inverse_root, inverse_roots
 
 
 def root(m: torch.Tensor, p: float, eps: float) -> torch.Tensor:
@@ -197,3 +197,19 @@ def test_wide_layer_between_curvature_steps_matches_stale_roots():
         if len(roots) == 2:
             want = want @ roots[1]
         torch.testing.assert_close(p.grad, want.reshape(p.shape), rtol=1e-9, atol=0)
+
+
+def test_batched_inverse_roots_equal_one_at_a_time():
+    # Statistics of mixed shapes and exponents, in an order that interleaves the
+    # groups: each root equals inverse_root of its own matrix, in its own place.
+    gen = torch.Generator().manual_seed(3)
+
+    def psd(n):
+        m = torch.randn(n, n + 2, generator=gen, dtype=torch.float64)
+        return m @ m.T
+
+    stats = [psd(4), psd(3), psd(4), psd(4), psd(3)]
+    exponents = [4.0, 4.0, 2.0, 4.0, 2.0]
+    got = inverse_roots(stats, exponents, 1e-3)
+    for s, e, r in zip(stats, exponents, got, strict=True):
+        torch.testing.assert_close(r, inverse_root(s, e, 1e-3), rtol=1e-10, atol=1e-12)
