@@ -41,6 +41,9 @@ STEADY: dict[str, tuple[str, ...]] = {
         "Gefen._template_step",
     ),
     "optim/_checks.py": ("finite_flags", "is_finite", "check_grad", "update_clip_of"),
+    "optim/_state_dict.py": ("LazyLabel", "fresh", "second_moment_of", "group_factors"),
+    "optim/_straddle.py": ("straddle_layout",),
+    "optim/_dist.py": ("local", "is_sharded"),
     "optim/_fused_many.py": ("StepItem", "step_many", "_checked", "_signature"),
     "optim/_fused.py": (
         "fused_step",
@@ -202,6 +205,8 @@ HOST_READS: dict[tuple[str, str, str], str] = {
         "only for a gradient whose batched norm is not finite (an overflow of "
         "finite values, or the step is skipped anyway)"
     ),
+    ("optim/_state_dict.py", "fresh", "int()"): _CPU_STATE,
+    ("optim/_straddle.py", "straddle_layout", "int()"): _CPU_STATE,
     ("optim/_fused.py", "fused_step", "float()"): _CPU_STATE,
     ("optim/_fused.py", "fused_step", "int()"): _CPU_STATE,
     ("optim/_fused.py", "advance_factors", "int()"): _CPU_STATE,
