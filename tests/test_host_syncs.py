@@ -128,7 +128,16 @@ STEADY: dict[str, tuple[str, ...]] = {
     "precond/_kfac_apply.py": ("split_inverse", "write_factored", "write_operators"),
     "precond/kfac.py": ("KfacGradientMaker.precondition",),
     "precond/ekfac.py": ("EkfacGradientMaker.precondition",),
-    "precond/shampoo.py": ("ShampooGradientMaker.precondition", "_precondition_block"),
+    "precond/shampoo.py": (
+        "ShampooGradientMaker._forward_backward",
+        "ShampooGradientMaker.precondition",
+        "_precondition_block",
+    ),
+    "precond/_kron.py": (
+        "KronFactorMaker._forward_backward",
+        "KronFactorMaker._plain_gradient",
+        "KronFactorMaker._unwritten_gradients",
+    ),
     "precond/natural_gradient.py": ("NaturalGradientMaker.precondition", "_solve"),
     "precond/smw_ng.py": ("SmwNgGradientMaker.precondition",),
     "precond/seng.py": ("SengGradientMaker.precondition",),
