@@ -381,7 +381,6 @@ class GefenMuon(Optimizer):
             )
         return loss
 
-
     def _quantizer(self, codebook: Tensor) -> NearestCode:
         """The quantizer of ``codebook``, built once and kept while the codebook is
         unchanged (the same tensor, no in-place change): building one reads the
