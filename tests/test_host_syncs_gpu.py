@@ -45,7 +45,8 @@ LISTED = {
     ("layer_parallel/mgrit.py", "mgrit_solve.norm"): "a residual norm MGRIT uses",
     ("layer_parallel/mgrit.py", "_finite"): "u_0's finiteness, when not converged",
 }
-_SYNC = "called a synchronizing CUDA operation"  # c10's message in both modes
+# c10's warning: "called a synchronizing CUDA operation" (older torch: "... operation")
+_SYNC = "called a synchronizing"
 LIBRARY = Path(leantrain.__file__).resolve().parent  # wherever it is imported from
 # Between two refreshes of every in-loop method: refreshed at step 0, then steady.
 _EVERY_10 = {"curvature_interval": 10, "preconditioner_interval": 10}
