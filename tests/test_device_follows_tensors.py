@@ -20,14 +20,12 @@ checked. The ``gpu``-marked tests run the same paths on a real device.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 import torch
+from _source_scan import ROOT, parse, scoped_nodes
 
 from leantrain.precond._random import DeviceGenerators, device_key
-
-ROOT = Path(__file__).resolve().parents[1] / "leantrain"
 PACKAGES = ("precond", "optim", "layer_parallel")
 FACTORIES = {
     "arange",
@@ -153,29 +151,17 @@ def _factory_calls_without_device() -> dict[tuple[str, str, str], list[int]]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-
-            def visit(node: ast.AST, scope: tuple[str, ...], rel: str = rel) -> None:
-                for child in ast.iter_child_nodes(node):
-                    inner = scope
-                    if isinstance(
-                        child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-                    ):
-                        inner = (*scope, child.name)
-                    func = getattr(child, "func", None)
-                    if (
-                        isinstance(child, ast.Call)
-                        and isinstance(func, ast.Attribute)
-                        and isinstance(func.value, ast.Name)
-                        and func.value.id == "torch"
-                        and func.attr in FACTORIES
-                        and "device" not in {k.arg for k in child.keywords}
-                    ):
-                        key = (rel, ".".join(inner) or "<module>", func.attr)
-                        found.setdefault(key, []).append(child.lineno)
-                    visit(child, inner)
-
-            visit(tree, ())
+            for scope, node in scoped_nodes(parse(path)):
+                func = getattr(node, "func", None)
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(func, ast.Attribute)
+                    and isinstance(func.value, ast.Name)
+                    and func.value.id == "torch"
+                    and func.attr in FACTORIES
+                    and "device" not in {k.arg for k in node.keywords}
+                ):
+                    found.setdefault((rel, scope, func.attr), []).append(node.lineno)
     return found
 
 

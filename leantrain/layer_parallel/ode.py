@@ -66,14 +66,17 @@ def sub(a: State, b: State) -> State:
     return like(a, [x - y for x, y in zip(as_tuple(a), as_tuple(b), strict=True)])
 
 
-def sq_norm(a: State) -> float:
-    """Squared Euclidean norm of all tensors in the state, as a Python float.
+def sq_norm(a: State) -> torch.Tensor:
+    """Squared Euclidean norm of all tensors in the state, a 0-dim float64 tensor
+    on the state's device.
 
     Accumulated in float64 without a float64 copy of the state (a residual norm is
-    taken at every C-point of every sweep).
+    taken at every C-point of every sweep). It stays on the device: MGRIT sums the
+    C-points' squares there and reads one number on the host per residual norm,
+    not one per C-point.
     """
     return sum(
-        float(torch.linalg.vector_norm(x.detach(), dtype=torch.float64)) ** 2
+        torch.linalg.vector_norm(x.detach(), dtype=torch.float64) ** 2
         for x in as_tuple(a)
     )
 

@@ -204,7 +204,7 @@ def c_job(
     interned: dict,
     code_key: int | None = None,
     index0: int = 0,
-    cbar: float | None = None,
+    cbar: float | Tensor | None = None,
     static: tuple[_Job, tuple] | None = None,
 ) -> _Job:
     """The kernel's description of one parameter's step (tensors already checked
@@ -214,7 +214,8 @@ def c_job(
     dict of ``_fused.hyperparameters`` or its values in ``_Hyper``'s field order;
     ``static``: this parameter's :func:`static_job`, when the caller keeps one;
     ``cbar``: a factored state's column mean when the caller already advanced its
-    factors (None: the kernel advances them in its first phase)."""
+    factors (None: the kernel advances them in its first phase; a 0-dim tensor is
+    read here, on the CPU, where every tensor of a kernel job lives)."""
     bits = layout[2]
     template, keep = static or static_job(param, state, layout)
     interned["static", id(template)] = (template, keep)
@@ -246,7 +247,7 @@ def c_job(
     job.h = ctypes.addressof(h)
     job.io = ctypes.addressof(io)
     if cbar is not None:  # the caller advanced the factors; else the kernel does
-        job.cbar, job.advanced = cbar, 1
+        job.cbar, job.advanced = float(cbar), 1
     return job
 
 

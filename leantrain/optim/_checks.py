@@ -219,7 +219,7 @@ def _native_all_finite(g: Tensor) -> bool | None:
 
 def finite_flags(grads: list[Tensor]) -> list[bool]:
     """``is_finite`` of every tensor: large CPU tensors by the native pass, the rest
-    in one batched call per (device, dtype).
+    in one batched call per (device, dtype), read on the host once per device.
 
     A NaN or an infinity makes the 2-norm NaN or inf, so a finite norm proves the
     tensor finite; a non-finite norm may also be an overflow of finite values
@@ -237,9 +237,17 @@ def finite_flags(grads: list[Tensor]) -> list[bool]:
             flags[i] = native
         else:
             batches.setdefault((g.device, g.dtype), []).append(i)
-    for members in batches.values():
+    # The verdicts of each device's dtypes are read together: one wait of the host
+    # for a CUDA device per step, which the policy needs (skip or step).
+    per_device: dict[torch.device, list[tuple[list[int], Tensor]]] = {}
+    for (device, _), members in batches.items():
         norms = torch._foreach_norm([grads[i] for i in members], 2)
-        for i, ok in zip(members, torch.stack(norms).isfinite().tolist(), strict=True):
+        finite = torch.stack(norms).isfinite()
+        per_device.setdefault(device, []).append((members, finite))
+    for parts in per_device.values():
+        members = [i for indices, _ in parts for i in indices]
+        verdicts = torch.cat([finite for _, finite in parts]).tolist()
+        for i, ok in zip(members, verdicts, strict=True):
             flags[i] = ok or is_finite(grads[i])
     return flags
 

@@ -35,7 +35,7 @@ from ._state_layout import state_layout
 from ._step import max_step
 from ._torch_step import torch_step
 from .code_rounding import code_key
-from .factored import mean_column, update_factors
+from .factored import column_mean, update_factors
 from .precision import default_stochastic, rounding_key
 
 # Sub-chunk of the C kernel (None: its largest, 16384 elements); tests lower it to
@@ -108,7 +108,7 @@ def c_step(
     key: int = 0,
     code_key: int | None = None,
     index0: int = 0,
-    cbar: float | None = None,
+    cbar: float | Tensor | None = None,
     lib: ctypes.CDLL | None = None,
     checked: bool = False,
 ) -> None:
@@ -163,14 +163,16 @@ def c_step(
     _cabi.launch(lib, [job], chunk, threads)
 
 
-def advance_factors(grad: Tensor, state: dict, beta2: float) -> float | None:
+def advance_factors(grad: Tensor, state: dict, beta2: float) -> Tensor | None:
     """A factored state's factor update (before its element loop, which needs the
-    column means of the whole gradient) and their column mean; None otherwise."""
+    column means of the whole gradient) and their column mean, a 0-dim fp32 tensor
+    on the state's device (kept there: a CUDA step does not wait to read it); None
+    otherwise."""
     if "factored" not in state:
         return None
     rows = int(state["factored"])
     update_factors(grad, state["exp_avg_sq"], rows, beta2)
-    return mean_column(state["exp_avg_sq"], rows)
+    return column_mean(state["exp_avg_sq"], rows)
 
 
 def hyperparameters(

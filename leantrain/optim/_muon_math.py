@@ -256,13 +256,18 @@ def muon_step(
         if nearest is None:
             nearest = NearestCode(codebook)
         flat = m.reshape(-1)
-        codes, absmax = quantize_blockwise(flat, qblock, nearest)
+        # No host-side checks on the step's path: m is finite (the optimizer
+        # rejected non-finite gradients before) and a 16-code codebook's codes are
+        # at most 15; each check would make the host wait for a CUDA device.
+        codes, absmax = quantize_blockwise(flat, qblock, nearest, check_finite=False)
         if stochastic_codes:
             key = code_rounding.code_key(seed, int(state["step"]))
             each = absmax.repeat_interleave(qblock)[:n]
             codes = code_rounding.round_blocks(flat, each, codebook, key, 0, codes)
         state["exp_avg_absmax"].copy_(absmax)
-        state["exp_avg_codes"].copy_(pack_nibbles(codes) if packed else codes)
+        if packed:
+            codes = pack_nibbles(codes, check_range=False)
+        state["exp_avg_codes"].copy_(codes)
         buf = m  # the exact new momentum; only the stored copy is quantized
     update = g.lerp(buf, momentum) if nesterov else buf
     update = newton_schulz(update, ns_steps, ns_coefficients, eps, dtype=ns_dtype)

@@ -156,26 +156,47 @@ def _interval_entry(uniq: Tensor) -> tuple[Tensor, int]:
     return ((below.to(torch.int64) << 32) | bits).contiguous(), sr_steps
 
 
-# id(codebook) -> (weak reference, version, table); the codebook is one tensor shared
-# by all parameters, so this holds one or two entries in practice.
-_cache: dict[int, tuple[weakref.ref, int, str, QuantTable]] = {}
+# id(codebook) -> (weak reference, version, device, table, the table's copies on
+# other devices); the codebook is one tensor shared by all parameters, so this
+# holds one or two entries in practice.
+_cache: dict[int, tuple[weakref.ref, int, str, QuantTable, dict]] = {}
 _CACHE_LIMIT = 16
 
 
-def quant_table(codebook: Tensor) -> QuantTable:
-    """The (cached) table of ``codebook``, rebuilt if the tensor was modified."""
+def quant_table(codebook: Tensor, device: torch.device | None = None) -> QuantTable:
+    """The (cached) table of ``codebook``, rebuilt if the tensor was modified.
+
+    The table is built on the CPU; with ``device``, its copy on that device, made
+    once per table: a copy per step would be a host-to-device copy per step, each
+    one a wait of the host for the device.
+    """
     key = id(codebook)
     entry = _cache.get(key)
     version = codebook._version  # bumped by every in-place change
-    if entry is not None:
-        ref, seen, device, table = entry
-        if ref() is codebook and seen == version and device == str(codebook.device):
-            return table
-    table = build_table(codebook)
-    if len(_cache) >= _CACHE_LIMIT:
-        _cache.clear()
-    _cache[key] = (weakref.ref(codebook), version, str(codebook.device), table)
-    return table
+    if (
+        entry is not None
+        and entry[0]() is codebook
+        and entry[1] == version
+        and entry[2] == str(codebook.device)
+    ):
+        table, copies = entry[3], entry[4]
+    else:
+        table, copies = build_table(codebook), {}
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        device_name = str(codebook.device)
+        _cache[key] = (weakref.ref(codebook), version, device_name, table, copies)
+    if device is None or torch.device(device) == table.codebook.device:
+        return table
+    name = str(torch.device(device))
+    if name not in copies:
+        copies[name] = QuantTable(
+            *(
+                t.to(device) if isinstance(t, Tensor) else t
+                for t in vars(table).values()
+            )
+        )
+    return copies[name]
 
 
 def nearest_index(x: Tensor, table: QuantTable) -> Tensor:

@@ -194,22 +194,23 @@ def _big_block(
     for nearest codes; ``factors(s, e)``: a factored state's denominators of those
     elements)."""
     b = start // block
-    total, amax = 0.0, 0.0
+    # The block's sum of g^2 (in double) and its momentum's absmax stay 0-dim
+    # tensors on the device: as host floats every sub-chunk would wait for it.
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    amax_t = torch.zeros((), dtype=torch.float32, device=grad.device)
     for s in range(start, end, chunk):
         e = min(s + chunk, end)
         g = grad[s:e].float() * sign
-        total += float((g * g).double().sum())
+        total += (g * g).double().sum()
         if bits:
             m = _momentum(g, state, s, e, block, bits, table, h["w1"])
-            amax = max(amax, float(m.abs().amax()))
+            # fmax: a NaN is passed over, as the host max(amax, nan) did
+            amax_t = torch.fmax(amax_t, m.abs().amax())
     if factors is None:
-        mean = torch.tensor(
-            [total / (end - start)], dtype=torch.float32, device=grad.device
-        )
+        mean = (total / (end - start)).float().reshape(1)
         v = state["exp_avg_sq"][b : b + 1]
         v.mul_(h["beta2"]).add_(mean, alpha=h["omb2"])
         denom = (v.sqrt() / h["sqrt_bc2"]).add_(h["eps"])
-    amax_t = torch.tensor(amax, dtype=torch.float32, device=grad.device)
     for s in range(start, end, chunk):
         e = min(s + chunk, end)
         g = grad[s:e].float() * sign
@@ -248,8 +249,11 @@ def chunk_function(device: torch.device):
     ):
         # The per-step scalars (bias corrections change every step) go in as 0-dim
         # tensors: as Python floats they would be baked in and recompile each step.
+        # torch.full, not torch.tensor: it fills on the device, where torch.tensor
+        # copies from the host and makes the host wait for the device.
         h = {
-            k: torch.tensor(x, dtype=torch.float32, device=device) for k, x in h.items()
+            k: torch.full((), x, dtype=torch.float32, device=device)
+            for k, x in h.items()
         }
         _compiled_chunk(
             param32, g, state, start, end, period, block, bits, table, h, r, v
@@ -281,14 +285,7 @@ def torch_step(
     same way.
     """
     period, block, bits = state_layout(param, state)
-    table = quant_table(state["codebook"]) if bits else None
-    if table is not None and table.codebook.device != param.device:
-        table = QuantTable(
-            *(
-                t.to(param.device) if isinstance(t, Tensor) else t
-                for t in vars(table).values()
-            )
-        )
+    table = quant_table(state["codebook"], param.device) if bits else None
     if bits:
         # Codes may take the parameter's shape; the work is on the flat view (the
         # same storage), and "bits" below is the storage: 4 only when packed.

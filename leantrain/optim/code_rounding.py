@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._quant_table import quant_table
 from .precision import _splitmix64, random_bits, rounding_key
 
 __all__ = [
@@ -171,7 +172,14 @@ def round_blocks(
     """Codes of flat momentum ``m`` (elements ``start ..`` of the parameter) whose
     block absmax, per element, is ``amax``: stochastic where ``amax > 0``; an
     all-zero block keeps ``nearest`` (the code nearest 0), as nearest rounding does.
+
+    The codes are :func:`stochastic_codes`'s; the codebook's distinct values and
+    their first codes come from its cached quantizer table, on ``m``'s device:
+    finding them afresh (``unique_consecutive``) would make the host wait for a
+    CUDA device every step.
     """
     u = m / torch.where(amax > 0, amax, torch.ones_like(amax))
     r = uniform(key, start, m.numel(), device=m.device)
-    return torch.where(amax > 0, stochastic_codes(u, codebook, r), nearest)
+    table = quant_table(codebook, m.device)
+    codes = table.first[stochastic_index(u.float(), table.uniq, r.float())]
+    return torch.where(amax > 0, codes, nearest)

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "column_mean",
     "denominator_factors",
     "factor_means",
     "factor_shape",
@@ -182,19 +183,29 @@ def mean_column(factors: Tensor, rows: int) -> float:
     """:math:`\\bar c`, the mean of the column factor, as the fp32 value every path
     divides by: summed in double and rounded once (the C kernel sums in double
     too, in another order, so the two agree but for a tie at fp32's rounding)."""
-    mean = factors[rows:].double().mean()
-    return float(mean.float())
+    return float(column_mean(factors, rows))
+
+
+def column_mean(factors: Tensor, rows: int) -> Tensor:
+    """:func:`mean_column` as a 0-dim fp32 tensor on the factors' device: the
+    PyTorch step divides by it there, so a CUDA step need not wait for the device
+    to hand the value to the host."""
+    return factors[rows:].double().mean().float()
 
 
 def denominator_factors(
-    factors: Tensor, rows: int, cbar: float, sqrt_bc2: float
+    factors: Tensor, rows: int, cbar: float | Tensor, sqrt_bc2: float
 ) -> tuple[Tensor, Tensor]:
     r"""``(a, b)``: ``a = sqrt(r / cbar) / sqrt_bc2`` (zeros while ``cbar`` is 0) and
     ``b = sqrt(c)``, in fp32, so that :math:`\sqrt{v_{ij}} / \sqrt{1-\beta_2^t}`
     is ``a[i] * b[j]`` for ``v_ij = r[i] c[j] / cbar`` (``sqrt_bc2``: the step's
-    :math:`\sqrt{1-\beta_2^t}`)."""
+    :math:`\sqrt{1-\beta_2^t}`). ``cbar`` is a float or, from
+    :func:`column_mean`, a 0-dim fp32 tensor; then its zero test is a
+    ``torch.where`` on the device, not a read on the host."""
     r, c = factors[:rows], factors[rows:]
-    if cbar == 0.0:
+    if isinstance(cbar, Tensor):
+        a = torch.where(cbar == 0, 0.0, (r / cbar).sqrt() / sqrt_bc2)
+    elif cbar == 0.0:
         a = torch.zeros_like(r)
     else:
         divisor = torch.tensor(cbar, dtype=torch.float32, device=factors.device)

@@ -15,6 +15,7 @@ works on any model. The pure math is :func:`newton_schulz`, :func:`adjust_lr` an
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -320,11 +321,12 @@ class GefenMuon(Optimizer):
                 label = _label(group, position, param)
                 _checks.check_grad(param.grad, label)
                 active.append((group, param, label))
-        for _, param, label in active:
-            if _checks.is_finite(param.grad):
-                continue
-            _checks.reject_nonfinite(self, label)
-            return loss
+        # One batched verdict (one read on the host per device), not one per tensor.
+        finite = _checks.finite_flags([param.grad for _, param, _ in active])
+        for ok, (_, _, label) in zip(finite, active, strict=True):
+            if not ok:
+                _checks.reject_nonfinite(self, label)
+                return loss
         for group, param, label in active:
             state = self.state[param]
             if state and state_bits(state) != group["momentum_bits"]:
@@ -334,7 +336,6 @@ class GefenMuon(Optimizer):
                     "change after the first step"
                 )
         self._init_states(active)
-        nearest: dict[int, NearestCode] = {}  # one quantizer per codebook per step
         # As in Gefen: a parameter's position keys its rounding streams, and
         # momentum_rounding="auto" rounds 4-bit codes stochastically (both sides).
         position = {
@@ -361,8 +362,6 @@ class GefenMuon(Optimizer):
                 )
                 continue
             codebook = state.get("codebook")
-            if codebook is not None and id(codebook) not in nearest:
-                nearest[id(codebook)] = NearestCode(codebook)
             muon_step(
                 param,
                 param.grad,
@@ -376,11 +375,26 @@ class GefenMuon(Optimizer):
                 eps=float(group["eps"]),
                 adjust_lr_fn=group["adjust_lr_fn"],
                 ns_dtype=group["ns_dtype"] or default_ns_dtype(param.device),
-                nearest=None if codebook is None else nearest[id(codebook)],
+                nearest=None if codebook is None else self._quantizer(codebook),
                 stochastic_codes=code_rounding.group_stochastic(group),
                 seed=position[id(param)],
             )
         return loss
+
+    def _quantizer(self, codebook: Tensor) -> NearestCode:
+        """The quantizer of ``codebook``, built once and kept while the codebook is
+        unchanged (the same tensor, no in-place change): building one reads the
+        codebook on the host and copies its tables to the device, and per step
+        that would make the host wait for the device every step."""
+        cache = self.__dict__.setdefault("_quantizers", {})
+        entry = cache.get(id(codebook))
+        version = codebook._version  # bumped by every in-place change
+        if entry is None or entry[0]() is not codebook or entry[1] != version:
+            for key in [k for k, (ref, _, _) in cache.items() if ref() is None]:
+                del cache[key]  # codebooks gone (a load_state_dict replaced them)
+            entry = (weakref.ref(codebook), version, NearestCode(codebook))
+            cache[id(codebook)] = entry
+        return entry[2]
 
 
 def _label(group: dict, position: int, param: Tensor) -> str:

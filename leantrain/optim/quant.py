@@ -199,23 +199,26 @@ class NearestCode:
 
 
 def quantize_blockwise(
-    x_flat: Tensor, period: int, nearest: NearestCode
+    x_flat: Tensor, period: int, nearest: NearestCode, *, check_finite: bool = True
 ) -> tuple[Tensor, Tensor]:
     """Codes (uint8 ``[n]``) and block absmax (fp32 ``[nb]``) of ``x_flat``.
 
     Each block is divided by its absmax (exact: the absmax element becomes +-1) and
     every value goes to its nearest code. An all-zero block keeps absmax 0 and gets
-    the code nearest 0 everywhere.
+    the code nearest 0 everywhere. ``check_finite=False`` skips the NaN/inf check,
+    a read of the values on the host (a wait for a CUDA device), for a caller
+    whose values are finite by construction (an optimizer step after its
+    non-finite gradient policy).
 
     Raises:
-        ValueError: ``x_flat`` holds NaN or infinity.
+        ValueError: ``x_flat`` holds NaN or infinity (with ``check_finite``).
     """
     x = _check_flat(x_flat)
     period = _check_period(period)
     if not isinstance(nearest, NearestCode):
         raise TypeError(f"nearest must be a NearestCode, got {type(nearest).__name__}")
     absmax = block_absmax(x, period)
-    if not bool(torch.isfinite(absmax).all()):
+    if check_finite and not bool(torch.isfinite(absmax).all()):
         raise ValueError("x_flat holds NaN or infinite values; cannot quantize")
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
@@ -249,12 +252,16 @@ def dequantize_blockwise(
     return out
 
 
-def pack_nibbles(codes: Tensor) -> Tensor:
-    """Pack 4-bit codes: element 2i in the low nibble of byte i, 2i+1 in the high."""
+def pack_nibbles(codes: Tensor, *, check_range: bool = True) -> Tensor:
+    """Pack 4-bit codes: element 2i in the low nibble of byte i, 2i+1 in the high.
+
+    ``check_range=False`` skips the check that every code is at most 15, a read
+    on the host (a wait for a CUDA device), for codes of a 16-code codebook.
+    """
     if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 or codes.dim() != 1:
         raise TypeError(f"codes must be a 1-D uint8 tensor, got {codes!r}")
     n = codes.numel()
-    if n and int(codes.max()) > 15:
+    if check_range and n and int(codes.max()) > 15:
         raise ValueError(f"4-bit codes must be <= 15, got {int(codes.max())}")
     packed = codes[0::2].clone()
     packed[: n // 2] |= codes[1::2] << 4

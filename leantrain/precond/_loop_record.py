@@ -287,7 +287,11 @@ class LoopRecorder:
 
 @torch.no_grad()
 def finish_step(
-    maker: Any, recorder: LoopRecorder | None, loss_scale: float, *, scaled: bool
+    maker: Any,
+    recorder: LoopRecorder | None,
+    loss_scale: float | Tensor,
+    *,
+    scaled: bool,
 ) -> bool:
     """What a maker's ``forward_and_backward`` runs after its curvature pass, for a
     step whose forward and backward ran elsewhere (the user's loop, or the maker's
@@ -296,6 +300,8 @@ def finish_step(
     precondition; ``maker.step`` advances.
 
     Args:
+        loss_scale: the factor the losses were multiplied by (a float, or a
+            ``GradScaler``'s 0-dim scale tensor, read only when curvature is due).
         scaled: a ``GradScaler`` drives the step (it skips a non-finite one itself;
             only the curvature of such a pass is discarded). Without one, a
             non-finite gradient skips the whole step under ``config.nonfinite``.
@@ -323,7 +329,7 @@ def finish_step(
                 recorder.stop()  # the recorded calls belong to no step
     if curvature_due:
         if recorder is not None:
-            recorder.collect(loss_scale)
+            recorder.collect(float(loss_scale))
         with curvature_arithmetic():
             maker.update_curvature()
         maker.curvature_updates += 1
@@ -394,9 +400,11 @@ class ModuleHookGuards:
 @torch.no_grad()
 def amp_scale(
     optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, grad_scaler: Any
-) -> float:
+) -> float | Tensor:
     """The loss scale of a ``GradScaler.step(optimizer)`` call; unscales ``.grad``
-    when the scaler has not (``grad_scale`` given).
+    when the scaler has not (``grad_scale`` given). A given ``grad_scale`` comes
+    back as the scaler's 0-dim tensor, read on the host only by a step that
+    records curvature (a steady step need not wait for the device).
 
     Raises:
         RuntimeError: the scaler unscaled ``.grad`` already and was not given to
@@ -407,7 +415,7 @@ def amp_scale(
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.div_(grad_scale.to(p.grad.dtype))
-        return float(grad_scale)
+        return grad_scale
     if grad_scaler is None:
         raise RuntimeError(
             "GradScaler.unscale_(optimizer) ran before GradScaler.step(optimizer) "
