@@ -86,12 +86,12 @@ def damped_inverses(
     for i, m in enumerate(matrices):
         groups.setdefault((m.shape, m.dtype, m.device), []).append(i)
     out: list[Tensor] = [matrices[0]] * len(matrices)
-    for (_, dtype, device), members in groups.items():
+    for (_, dtype, _), members in groups.items():
         result = None
         if dtype in (torch.float32, torch.float64):
             damped = torch.stack([matrices[i] for i in members])
-            shift = torch.tensor([dampings[i] for i in members], dtype=dtype)
-            damped.diagonal(dim1=-2, dim2=-1).add_(shift.to(device).unsqueeze(-1))
+            for k, i in enumerate(members):  # scalars: nothing copied to the device
+                damped[k].diagonal().add_(dampings[i])
             factor, info = cholesky_ex(damped)
             if not bool((info != 0).any()):
                 # row-major copies: see damped_inverse
