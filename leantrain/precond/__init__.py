@@ -38,6 +38,7 @@ from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
 from leantrain.precond.seng import SengGradientMaker
 from leantrain.precond.shampoo import ShampooGradientMaker
 from leantrain.precond.smw_ng import SmwNgGradientMaker
+from leantrain.precond.soap import SoapGradientMaker
 from leantrain.precond.stand_in import StandIn
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "SengGradientMaker",
     "ShampooGradientMaker",
     "SmwNgGradientMaker",
+    "SoapGradientMaker",
     "StandIn",
     "curvature",
     "is_due",

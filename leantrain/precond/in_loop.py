@@ -37,6 +37,7 @@ from leantrain.precond._loop_record import (
 from leantrain.precond.preconditioned import PreconditionedGradientMaker
 from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
 from leantrain.precond.shampoo import ShampooGradientMaker
+from leantrain.precond.soap import SoapGradientMaker
 
 __all__ = [
     "IN_LOOP_METHODS",
@@ -53,6 +54,7 @@ IN_LOOP_METHODS: dict[str, str] = {
     "ekfac": "as kfac",
     "shampoo": "the gradient in .grad at step()",
     "shampoo_10": "as shampoo",
+    "soap": "as shampoo",
     **{f"ng_{s}": "as kfac" for s in ("full", "layer", "unit", "diag")},
     "smw_ng": "as kfac (one micro-batch per step)",
     "seng": "as kfac (one micro-batch per step)",
@@ -174,13 +176,14 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(maker, (KronFactorMaker, HookedMaker)):
             self._recorder: LoopRecorder | None = LoopRecorder(maker)
-        elif isinstance(maker, ShampooGradientMaker):
+        elif isinstance(maker, (ShampooGradientMaker, SoapGradientMaker)):
             self._recorder = None  # its statistics are the gradient itself
         else:
             raise ValueError(
                 f"{name} is not known to work inside a trainer's loop; supported "
                 "makers: KfacGradientMaker, EkfacGradientMaker, ShampooGradientMaker, "
-                "NaturalGradientMaker, SmwNgGradientMaker, SengGradientMaker."
+                "SoapGradientMaker, NaturalGradientMaker, SmwNgGradientMaker, "
+                "SengGradientMaker."
             )
         if grad_scaler is not None and not isinstance(
             grad_scaler, torch.amp.GradScaler

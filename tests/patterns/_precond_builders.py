@@ -86,8 +86,23 @@ def batches(n: int, *, image: bool = False, seed: int = 1) -> list:
     ]
 
 
+# SOAP runs Adam in the factors' eigenbasis, where rounding is amplified twice.
+# A factor of rank below its size (5x5 from one 3x5 gradient) has a null space in
+# which eigh picks any basis, and Adam is not rotation invariant there: two runs
+# that differ by rounding (another summation order, a clip coefficient) then differ
+# by O(1); rotating only sides of at most 4 leaves full-rank factors here. And a
+# rotated entry that is zero but for rounding (the softmax head's gradient has no
+# component along all-ones) is divided by sqrt(v) + eps ~ eps: at eps 1e-8 rounding
+# of 1e-17 becomes 1e-9; eps 1e-4 keeps it at 1e-13. So the cells compare SOAP to
+# rounding as they do the other methods.
+METHOD_OPTIONS = {"soap": {"max_precond_dim": 4, "config": {"damping": 1e-4}}}
+
+
 def build(form: str, name: str, model: nn.Module, lr: float = 0.1, **options):
     """``(maker, optimizer)``: the registry's method through the form's entry."""
+    extra = METHOD_OPTIONS.get(name, {})
+    config = {**extra.get("config", {}), **options.get("config", {})}
+    options = {**extra, **options, **({"config": config} if config else {})}
     sgd = torch.optim.SGD(model.parameters(), lr=lr)
     if form == "gm":
         return make_gradient_maker(name, model, **options), sgd

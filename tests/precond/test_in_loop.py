@@ -50,6 +50,8 @@ CASES = {
     "ekfac-mc": ("ekfac", dict(IGNORE), {}),
     "shampoo-schedule": ("shampoo", dict(SCHEDULE), {}),
     "shampoo-accumulate": ("shampoo", {"damping": 1e-3, "ema_decay": None}, {}),
+    "soap-schedule": ("soap", dict(SCHEDULE), {}),
+    "soap": ("soap", {}, {}),
     "ng_diag-emp": (
         "ng_diag",
         {"damping": 1e-2, **IGNORE},

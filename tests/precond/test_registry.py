@@ -54,6 +54,14 @@ def test_every_method_preconditions_a_bfloat16_model(name):
             gm.forward_and_backward()
         grads[dtype] = [p.grad for p in model.parameters()]
     assert all(g.dtype == torch.bfloat16 for g in grads[torch.bfloat16])
+    if name == "soap":
+        # SOAP's first Adam steps are near-sign steps on every rotated entry: bf16
+        # rounding of the gradient, spread over the small rotated entries, flips
+        # them (and eigh picks another basis of the factors' null space), 15-85%
+        # apart here. tests/precond/test_soap.py checks that its float32 state and
+        # arithmetic give a bf16 model the float32 model's step on equal gradients.
+        assert all(torch.isfinite(g).all() for g in grads[torch.bfloat16])
+        return
     g32, g16 = (torch.cat([g.float().reshape(-1) for g in grads[d]]) for d in grads)
     # bf16 rounding moves every method by 0.4-3.5% here; the plain gradient instead
     # of the preconditioned one is 70-94% off (PSGD aside: 5%, its fitted
