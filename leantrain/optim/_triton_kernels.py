@@ -1,0 +1,494 @@
+r"""Gefen's step as Triton kernels (imported only where ``triton`` is installed).
+
+The host side, which builds the job tables and launches these, is
+``_triton_step.py``; the update they compute is ``_step.reference_step``'s, op by
+op as the C kernel (``_kernels/gefen_step.c``) rounds it: fp32 math, torch's lerp
+and ``add_(x, alpha)`` as fused multiply-adds, ``p * decay - (step_size * m) /
+denom`` without any other fused multiply-add (launched with
+``enable_fp_fusion=False``), IEEE division and square root (``div_rn``,
+``sqrt_rn``: Triton's plain ``/`` and ``sqrt`` are approximate on the GPU), block
+sums of :math:`g^2` in float64.
+
+**Work.** A parameter is a *job* (one row of an int64 table of pointers and sizes
+and one row of fp32 per-step scalars). A program takes one *unit* of a job: one
+absmax block, or two when 4-bit codes packed two per byte have an odd block
+length (the byte between them is then written by one program). Programs find
+their job by a binary search over the jobs' first unit indices, so one launch
+covers every parameter of a (parameter dtype, gradient dtype) pair. A unit no
+longer than ``TILE`` is done in one pass in registers; a longer one in two (the
+statistics, then the codes and the update, recomputing the momentum).
+
+**Factored second moments** need the whole gradient's column means before any
+element's update: three small launches before the main one (``_factor_rows``:
+row sums and per-chunk column sums of :math:`g^2`; ``_factor_cols``: the column
+factor and ``b = sqrt(c)``; ``_factor_a``: the row factor and
+``a = sqrt(r / cbar) / sqrt(1 - beta2^t)``), all deterministic (no atomics).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Columns of the job tables (_triton_step builds them in this order).
+J_PARAM, J_GRAD, J_V, J_M, J_ABSMAX, J_QTAB = 0, 1, 2, 3, 4, 5
+J_N, J_BLOCK, J_UNIT, J_BITS, J_PACKED, J_VKIND = 6, 7, 8, 9, 10, 11
+J_COLS, J_A, J_B, J_INDEX0, J_CODE_KEY, J_ROUND_KEY = 12, 13, 14, 15, 16, 17
+J_CODE_SR, J_PARAM_SR, J_NUNIQ = 18, 19, 20
+JOB_FIELDS = 21
+# The per-step fp32 scalars of a job, as _fused.hyperparameters names them.
+HYPER_FIELDS = (
+    "w1",
+    "beta2",
+    "omb2",
+    "decay",
+    "step_size",
+    "sqrt_bc2",
+    "eps",
+    "sign",
+    "max_step",
+)
+# Second-moment kinds (J_VKIND).
+V_BLOCKS, V_ELEMENT, V_FACTORED = 0, 1, 2
+# The quantizer table of one codebook, fp32, every part padded to 256 entries:
+# codebook | midpoints (+inf) | u_1.. (+inf) | u_0.. (+inf, 257) | first code of u_k.
+Q_CB, Q_MID, Q_UP, Q_UNIQ, Q_FIRST, Q_SIZE = 0, 256, 512, 768, 1025, 1281
+# Columns of the factored jobs' table.
+F_GRAD, F_V, F_ROWS, F_COLS, F_A, F_B, F_COLPART, F_ROWPART = 0, 1, 2, 3, 4, 5, 6, 7
+F_CPART, F_CHUNK_ROWS, F_NCHUNK, F_NCT, F_JOB = 8, 9, 10, 11, 12
+FACTOR_FIELDS = 13
+
+
+@triton.jit
+def _fma(a, b, c, EXACT: tl.constexpr):
+    """fl(a * b + c), one rounding. The interpreter's tl.fma rounds twice (numpy's
+    fp32 a * b + c), so there it is done in float64, where the fp32 product is
+    exact (then a second rounding differs from fma's only at a double-rounding
+    tie, ~2^-29 of the time)."""
+    if EXACT:
+        out = (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+    else:
+        out = tl.fma(a, b, c)
+    return out
+
+
+@triton.jit
+def _fmix32(x):
+    """MurmurHash3's 32-bit finalizer (precision.py, gefen_io.h)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _hash(i, key):
+    """32 random bits of global element indices ``i`` (int64) on the 64-bit
+    ``key`` (int64 bits): precision.random_bits, bit for bit."""
+    k_lo = (key & 0xFFFFFFFF).to(tl.uint32)
+    k_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    lo = (i & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((i >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return _fmix32(lo ^ k_lo ^ _fmix32(hi ^ k_hi))
+
+
+@triton.jit
+def _count(table, x, OR_EQUAL: tl.constexpr):
+    """#{j : table[j] < x} (``<=`` with OR_EQUAL) over 256 ascending fp32 entries
+    whose last is +inf: a branch-free binary search of 8 probes."""
+    pos = tl.zeros(x.shape, dtype=tl.int32)
+    for j in tl.static_range(8):
+        probe = tl.load(table + pos + ((128 >> j) - 1))
+        if OR_EQUAL:
+            hit = probe <= x
+        else:
+            hit = probe < x
+        pos = tl.where(hit, pos + (128 >> j), pos)
+    return pos
+
+
+@triton.jit
+def _find_job(starts, pid, njobs, LOG_JOBS: tl.constexpr):
+    """The job j with starts[j] <= pid < starts[j + 1] (a scalar binary search)."""
+    lo = 0
+    for j in tl.static_range(LOG_JOBS):
+        probe = lo + (1 << (LOG_JOBS - 1 - j))
+        ok = probe < njobs
+        start = tl.load(starts + tl.where(ok, probe, 0))
+        lo = tl.where(ok & (start <= pid), probe, lo)
+    return lo
+
+
+@triton.jit
+def _momentum(job, hyp, e, ok, amax_old, EXACT: tl.constexpr, G_DTYPE: tl.constexpr):
+    """(g, m) of elements ``e`` (lanes ``ok``): the gradient in fp32 and the new
+    momentum lerp(old m, sign * g, 1 - beta1) as torch's lerp rounds it."""
+    grad = tl.load(job + J_GRAD).to(tl.pointer_type(G_DTYPE), bitcast=True)
+    g = tl.load(grad + e, mask=ok, other=0.0).to(tl.float32)
+    bits = tl.load(job + J_BITS)
+    mptr = tl.load(job + J_M)
+    if bits == 0:
+        old = tl.load(
+            mptr.to(tl.pointer_type(tl.float32), bitcast=True) + e, mask=ok, other=0.0
+        )
+    else:
+        codes = mptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+        if tl.load(job + J_PACKED) != 0:
+            byte = tl.load(codes + (e >> 1), mask=ok, other=0).to(tl.int32)
+            code = (byte >> ((e & 1) * 4).to(tl.int32)) & 15
+        else:
+            code = tl.load(codes + e, mask=ok, other=0).to(tl.int32)
+        qtab = tl.load(job + J_QTAB).to(tl.pointer_type(tl.float32), bitcast=True)
+        old = tl.load(qtab + Q_CB + code, mask=ok, other=0.0) * amax_old
+    w1 = tl.load(hyp + 0)
+    gk = g * tl.load(hyp + 7)
+    # torch's lerp: fma(w, b - a, a) for w < 0.5, else fma(w - 1, b - a, b)
+    small = w1 < 0.5
+    wc = tl.where(small, w1, w1 - 1.0)
+    m = _fma(wc, gk - old, tl.where(small, old, gk), EXACT)
+    return g, m
+
+
+@triton.jit
+def _finish(
+    job, hyp, e, ok, m, amax, den, origin, TILE: tl.constexpr, P_DTYPE: tl.constexpr
+):
+    """Stores the codes (or the fp32 momentum) of elements ``e`` and updates
+    the parameter with the exact new ``m`` over ``den``."""
+    bits = tl.load(job + J_BITS)
+    mptr = tl.load(job + J_M)
+    if bits == 0:
+        tl.store(mptr.to(tl.pointer_type(tl.float32), bitcast=True) + e, m, mask=ok)
+    else:
+        qtab = tl.load(job + J_QTAB).to(tl.pointer_type(tl.float32), bitcast=True)
+        live = amax > 0.0
+        x = tl.where(live, tl.math.div_rn(m, tl.where(live, amax, 1.0)), 0.0)
+        k = _count(qtab + Q_MID, x, False)  # nearest: #{mid_j < x}, ties down
+        if tl.load(job + J_CODE_SR) != 0:
+            # code_rounding.searched_index: x's interval i, then up with
+            # probability (x - u_i) / d_i, decided by 24 bits of the code hash
+            key = tl.load(job + J_CODE_KEY)
+            bits24 = _hash(e + tl.load(job + J_INDEX0), key) >> 8
+            r = bits24.to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+            nuniq = tl.load(job + J_NUNIQ).to(tl.int32)
+            below = _count(qtab + Q_UP, x, True)
+            i = tl.minimum(below, nuniq - 2)
+            u_i = tl.load(qtab + Q_UNIQ + i, mask=ok, other=0.0)
+            u_up = tl.load(qtab + Q_UNIQ + i + 1, mask=ok, other=0.0)
+            up = (below < nuniq - 1) & ((x - u_i) > (r * (u_up - u_i)))
+            k = tl.where(live, below + up.to(tl.int32), k)
+        code = tl.load(qtab + Q_FIRST + k, mask=ok, other=0.0).to(tl.int32)
+        codes = mptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+        if tl.load(job + J_PACKED) != 0:
+            # two codes a byte, element 2i low: the tile starts on an even element
+            # and ends on one or the tensor's end (whose high nibble stays 0)
+            code = tl.where(ok, code, 0)
+            pairs = tl.reshape(code, (TILE // 2, 2))
+            byte = tl.sum(pairs << (tl.arange(0, 2) * 4)[None, :], axis=1)
+            first = tl.reshape(ok.to(tl.int32), (TILE // 2, 2))
+            written = tl.max(first, axis=1) > 0
+            where = (origin >> 1) + tl.arange(0, TILE // 2)
+            tl.store(codes + where, byte.to(tl.uint8), mask=written)
+        else:
+            tl.store(codes + e, code.to(tl.uint8), mask=ok)
+    param = tl.load(job + J_PARAM).to(tl.pointer_type(P_DTYPE), bitcast=True)
+    p = tl.load(param + e, mask=ok, other=0.0).to(tl.float32)
+    w = p * tl.load(hyp + 3)
+    step = tl.math.div_rn(tl.load(hyp + 4) * m, den)
+    bound = tl.load(hyp + 8)  # inf without update_clip; NaN goes through
+    step = tl.where(bound < step, bound, step)
+    step = tl.where(-bound > step, -bound, step)
+    p = w - step
+    if P_DTYPE == tl.bfloat16:
+        # gefen_io.h's conversions on the fp32 bits: nearest even (NaN quiet), or
+        # stochastic: away from zero iff the top 16 random bits < the low 16 bits
+        u = p.to(tl.uint32, bitcast=True)
+        mag = u & 0x7FFFFFFF
+        nearest = tl.where(
+            mag > 0x7F800000, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        )
+        out = nearest
+        if tl.load(job + J_PARAM_SR) != 0:
+            rbits = _hash(e + tl.load(job + J_INDEX0), tl.load(job + J_ROUND_KEY))
+            a = mag >> 16
+            away = (a < 0x7F7F) & ((rbits >> 16) < (mag & 0xFFFF))
+            sr = ((u >> 16) & 0x8000) | (a + away.to(tl.uint32))
+            out = tl.where(mag >= 0x7F800000, nearest, sr)
+        tl.store(param + e, out.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=ok)
+    else:
+        tl.store(param + e, p.to(P_DTYPE), mask=ok)
+
+
+@triton.jit
+def _den(job, hyp, e, ok, in_a, den_a, den_b):
+    """The update's denominators of elements ``e``: their block's, their own
+    ``sqrt(v) / sqrt(bc2) + eps``, or a factored ``a[i] * b[j] + eps``."""
+    vkind = tl.load(job + J_VKIND)
+    sqrt_bc2 = tl.load(hyp + 5)
+    eps = tl.load(hyp + 6)
+    den = tl.where(in_a, den_a, den_b)
+    if vkind == V_ELEMENT:
+        vptr = tl.load(job + J_V).to(tl.pointer_type(tl.float32), bitcast=True)
+        v = tl.load(vptr + e, mask=ok, other=1.0)
+        den = tl.math.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
+    elif vkind == V_FACTORED:
+        cols = tl.load(job + J_COLS)
+        a = tl.load(job + J_A).to(tl.pointer_type(tl.float32), bitcast=True)
+        b = tl.load(job + J_B).to(tl.pointer_type(tl.float32), bitcast=True)
+        ai = tl.load(a + e // cols, mask=ok, other=1.0)
+        bj = tl.load(b + e % cols, mask=ok, other=1.0)
+        den = ai * bj + eps
+    return den
+
+
+@triton.jit
+def _element_v(job, hyp, e, ok, g, EXACT: tl.constexpr):
+    """A per-element second moment: v = fma(1 - beta2, g * g, v * beta2)."""
+    if tl.load(job + J_VKIND) == V_ELEMENT:
+        vptr = tl.load(job + J_V).to(tl.pointer_type(tl.float32), bitcast=True)
+        v = tl.load(vptr + e, mask=ok, other=0.0)
+        v = _fma(tl.load(hyp + 2), g * g, v * tl.load(hyp + 1), EXACT)
+        tl.store(vptr + e, v, mask=ok)
+
+
+@triton.jit
+def _block_den(job, hyp, block_index, total, length, EXACT: tl.constexpr):
+    """Advances a block's v from its sum of g^2 (float64) and returns its
+    denominator sqrt(v) / sqrt(bc2) + eps (1.0 for other kinds)."""
+    blocks = tl.load(job + J_VKIND) == V_BLOCKS
+    vptr = tl.load(job + J_V).to(tl.pointer_type(tl.float32), bitcast=True)
+    mean = (total / length.to(tl.float64)).to(tl.float32)
+    old = tl.load(vptr + block_index, mask=blocks, other=0.0)
+    v = _fma(tl.load(hyp + 2), mean, old * tl.load(hyp + 1), EXACT)
+    tl.store(vptr + block_index, v, mask=blocks)
+    den = tl.math.div_rn(tl.sqrt_rn(v), tl.load(hyp + 5)) + tl.load(hyp + 6)
+    return tl.where(blocks, den, 1.0)
+
+
+@triton.jit
+def gefen_step_kernel(
+    jobs,
+    hypers,
+    starts,
+    njobs,
+    TILE: tl.constexpr,
+    LOG_JOBS: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """One Gefen step of one unit (one or two absmax blocks) of one job."""
+    pid = tl.program_id(0).to(tl.int64)
+    j = _find_job(starts, pid, njobs, LOG_JOBS)
+    job = jobs + j * JOB_FIELDS
+    hyp = hypers + j * len(HYPER_FIELDS)
+    n = tl.load(job + J_N)
+    block = tl.load(job + J_BLOCK)
+    unit = tl.load(job + J_UNIT)
+    bits = tl.load(job + J_BITS)
+    u = pid - tl.load(starts + j)
+    b_a = u * unit  # the unit's first block; b_b the second (if any)
+    ustart = b_a * block
+    uend = tl.minimum(ustart + unit * block, n)
+    split = tl.minimum(ustart + block, uend)  # where block b_b begins
+    has_b = split < uend
+    b_b = tl.where(has_b, b_a + 1, b_a)
+    absmax = tl.load(job + J_ABSMAX).to(tl.pointer_type(tl.float32), bitcast=True)
+    quantized = bits != 0
+    old_a = tl.load(absmax + b_a, mask=quantized, other=0.0)
+    old_b = tl.load(absmax + b_b, mask=quantized, other=0.0)
+    lanes = tl.arange(0, TILE).to(tl.int64)
+    if uend - ustart <= TILE:  # one pass, the momentum in registers
+        e = ustart + lanes
+        ok = e < uend
+        in_a = e < split
+        g, m = _momentum(job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE)
+        _element_v(job, hyp, e, ok, g, EXACT)
+        g2 = tl.where(ok, g * g, 0.0).to(tl.float64)
+        sum_a = tl.sum(tl.where(in_a, g2, 0.0))
+        sum_b = tl.sum(tl.where(in_a, 0.0, g2))
+        am = tl.where(ok, tl.abs(m), 0.0)
+        amax_a = tl.max(tl.where(in_a, am, 0.0))
+        amax_b = tl.max(tl.where(in_a, 0.0, am))
+        den_a = _block_den(job, hyp, b_a, sum_a, split - ustart, EXACT)
+        den_b = den_a
+        if has_b:
+            den_b = _block_den(job, hyp, b_b, sum_b, uend - split, EXACT)
+        if bits != 0:
+            tl.store(absmax + b_a, amax_a)
+            if has_b:
+                tl.store(absmax + b_b, amax_b)
+        den = _den(job, hyp, e, ok, in_a, den_a, den_b)
+        amax = tl.where(in_a, amax_a, amax_b)
+        _finish(job, hyp, e, ok, m, amax, den, ustart, TILE, P_DTYPE)
+    else:  # pass 1: statistics; pass 2: codes and update, m recomputed
+        sum_a = tl.zeros((), dtype=tl.float64)
+        sum_b = tl.zeros((), dtype=tl.float64)
+        amax_a = tl.zeros((), dtype=tl.float32)
+        amax_b = tl.zeros((), dtype=tl.float32)
+        origin = ustart
+        while origin < uend:
+            e = origin + lanes
+            ok = e < uend
+            in_a = e < split
+            g, m = _momentum(job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE)
+            _element_v(job, hyp, e, ok, g, EXACT)
+            g2 = tl.where(ok, g * g, 0.0).to(tl.float64)
+            sum_a += tl.sum(tl.where(in_a, g2, 0.0))
+            sum_b += tl.sum(tl.where(in_a, 0.0, g2))
+            am = tl.where(ok, tl.abs(m), 0.0)
+            amax_a = tl.maximum(amax_a, tl.max(tl.where(in_a, am, 0.0)))
+            amax_b = tl.maximum(amax_b, tl.max(tl.where(in_a, 0.0, am)))
+            origin += TILE
+        den_a = _block_den(job, hyp, b_a, sum_a, split - ustart, EXACT)
+        den_b = den_a
+        if has_b:
+            den_b = _block_den(job, hyp, b_b, sum_b, uend - split, EXACT)
+        if bits != 0:
+            tl.store(absmax + b_a, amax_a)
+            if has_b:
+                tl.store(absmax + b_b, amax_b)
+        origin = ustart
+        while origin < uend:
+            e = origin + lanes
+            ok = e < uend
+            in_a = e < split
+            g, m = _momentum(job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE)
+            den = _den(job, hyp, e, ok, in_a, den_a, den_b)
+            amax = tl.where(in_a, amax_a, amax_b)
+            _finish(job, hyp, e, ok, m, amax, den, origin, TILE, P_DTYPE)
+            origin += TILE
+
+
+@triton.jit
+def factor_rows_kernel(
+    fjobs,
+    starts,
+    njobs,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    LOG_JOBS: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+):
+    """Sums of g^2 (float64) over one chunk of rows x one tile of columns of one
+    factored gradient: the chunk's column sums and the tile's row sums, into
+    scratch (colpart[chunk, col], rowpart[tile, row])."""
+    pid = tl.program_id(0).to(tl.int64)
+    j = _find_job(starts, pid, njobs, LOG_JOBS)
+    fj = fjobs + j * FACTOR_FIELDS
+    rows = tl.load(fj + F_ROWS)
+    cols = tl.load(fj + F_COLS)
+    nct = tl.load(fj + F_NCT)
+    local = pid - tl.load(starts + j)
+    chunk = local // nct
+    tile = local % nct
+    chunk_rows = tl.load(fj + F_CHUNK_ROWS)
+    r0 = chunk * chunk_rows
+    r1 = tl.minimum(r0 + chunk_rows, rows)
+    c = tile * COLS + tl.arange(0, COLS).to(tl.int64)
+    cok = c < cols
+    grad = tl.load(fj + F_GRAD).to(tl.pointer_type(G_DTYPE), bitcast=True)
+    rowpart = tl.load(fj + F_ROWPART).to(tl.pointer_type(tl.float64), bitcast=True)
+    col_sum = tl.zeros((COLS,), dtype=tl.float64)
+    start = r0
+    while start < r1:
+        r = start + tl.arange(0, ROWS).to(tl.int64)
+        rok = r < r1
+        ok = rok[:, None] & cok[None, :]
+        g = tl.load(grad + r[:, None] * cols + c[None, :], mask=ok, other=0.0)
+        g = g.to(tl.float32)
+        sq = (g * g).to(tl.float64)
+        col_sum += tl.sum(sq, axis=0)
+        tl.store(rowpart + tile * rows + r, tl.sum(sq, axis=1), mask=rok)
+        start += ROWS
+    colpart = tl.load(fj + F_COLPART).to(tl.pointer_type(tl.float64), bitcast=True)
+    tl.store(colpart + chunk * cols + c, col_sum, mask=cok)
+
+
+@triton.jit
+def factor_cols_kernel(
+    fjobs,
+    hypers,
+    starts,
+    njobs,
+    COLS: tl.constexpr,
+    LOG_JOBS: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """One tile of columns of one factored job: c = fma(1 - beta2, mean, c * beta2),
+    b = sqrt(c), and the tile's float64 sum of c (for cbar)."""
+    pid = tl.program_id(0).to(tl.int64)
+    j = _find_job(starts, pid, njobs, LOG_JOBS)
+    fj = fjobs + j * FACTOR_FIELDS
+    hyp = hypers + tl.load(fj + F_JOB) * len(HYPER_FIELDS)
+    rows = tl.load(fj + F_ROWS)
+    cols = tl.load(fj + F_COLS)
+    tile = pid - tl.load(starts + j)
+    c = tile * COLS + tl.arange(0, COLS).to(tl.int64)
+    cok = c < cols
+    colpart = tl.load(fj + F_COLPART).to(tl.pointer_type(tl.float64), bitcast=True)
+    total = tl.zeros((COLS,), dtype=tl.float64)
+    nchunk = tl.load(fj + F_NCHUNK)
+    chunk = nchunk * 0
+    while chunk < nchunk:
+        total += tl.load(colpart + chunk * cols + c, mask=cok, other=0.0)
+        chunk += 1
+    mean = (total / rows.to(tl.float64)).to(tl.float32)
+    v = tl.load(fj + F_V).to(tl.pointer_type(tl.float32), bitcast=True)
+    factor = tl.load(v + rows + c, mask=cok, other=0.0)
+    factor = _fma(tl.load(hyp + 2), mean, factor * tl.load(hyp + 1), EXACT)
+    tl.store(v + rows + c, factor, mask=cok)
+    b = tl.load(fj + F_B).to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(b + c, tl.sqrt_rn(factor), mask=cok)
+    cpart = tl.load(fj + F_CPART).to(tl.pointer_type(tl.float64), bitcast=True)
+    tl.store(cpart + tile, tl.sum(tl.where(cok, factor, 0.0).to(tl.float64)))
+
+
+@triton.jit
+def factor_a_kernel(
+    fjobs,
+    hypers,
+    starts,
+    njobs,
+    ROWS: tl.constexpr,
+    LOG_JOBS: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """One tile of rows of one factored job: r = fma(1 - beta2, mean, r * beta2)
+    and a = sqrt(r / cbar) / sqrt(bc2) (0 while cbar is 0), with cbar the mean of
+    the new column factor summed in float64 and rounded once (factored.py)."""
+    pid = tl.program_id(0).to(tl.int64)
+    j = _find_job(starts, pid, njobs, LOG_JOBS)
+    fj = fjobs + j * FACTOR_FIELDS
+    hyp = hypers + tl.load(fj + F_JOB) * len(HYPER_FIELDS)
+    rows = tl.load(fj + F_ROWS)
+    cols = tl.load(fj + F_COLS)
+    tile = pid - tl.load(starts + j)
+    cpart = tl.load(fj + F_CPART).to(tl.pointer_type(tl.float64), bitcast=True)
+    csum = tl.zeros((), dtype=tl.float64)
+    nct = tl.load(fj + F_NCT)
+    t = nct * 0
+    while t < nct:
+        csum += tl.load(cpart + t)
+        t += 1
+    cbar = (csum / cols.to(tl.float64)).to(tl.float32)
+    r = tile * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    rok = r < rows
+    rowpart = tl.load(fj + F_ROWPART).to(tl.pointer_type(tl.float64), bitcast=True)
+    total = tl.zeros((ROWS,), dtype=tl.float64)
+    t = nct * 0
+    while t < nct:
+        total += tl.load(rowpart + t * rows + r, mask=rok, other=0.0)
+        t += 1
+    mean = (total / cols.to(tl.float64)).to(tl.float32)
+    v = tl.load(fj + F_V).to(tl.pointer_type(tl.float32), bitcast=True)
+    factor = tl.load(v + r, mask=rok, other=0.0)
+    factor = _fma(tl.load(hyp + 2), mean, factor * tl.load(hyp + 1), EXACT)
+    tl.store(v + r, factor, mask=rok)
+    live = cbar != 0.0
+    a = tl.math.div_rn(
+        tl.sqrt_rn(tl.math.div_rn(factor, tl.where(live, cbar, 1.0))), tl.load(hyp + 5)
+    )
+    a_ptr = tl.load(fj + F_A).to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(a_ptr + r, tl.where(live, a, 0.0), mask=rok)
