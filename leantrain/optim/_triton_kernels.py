@@ -30,13 +30,34 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Kernels may read module globals only as constexpr (ints to the host side).
+_c = tl.constexpr
+
 # Columns of the job tables (_triton_step builds them in this order).
-J_PARAM, J_GRAD, J_V, J_M, J_ABSMAX, J_QTAB = 0, 1, 2, 3, 4, 5
-J_N, J_BLOCK, J_UNIT, J_BITS, J_PACKED, J_VKIND = 6, 7, 8, 9, 10, 11
-J_COLS, J_A, J_B, J_INDEX0, J_CODE_KEY, J_ROUND_KEY = 12, 13, 14, 15, 16, 17
-J_CODE_SR, J_PARAM_SR, J_NUNIQ = 18, 19, 20
-JOB_FIELDS = 21
-# The per-step fp32 scalars of a job, as _fused.hyperparameters names them.
+J_PARAM = _c(0)
+J_GRAD = _c(1)
+J_V = _c(2)
+J_M = _c(3)
+J_ABSMAX = _c(4)
+J_QTAB = _c(5)
+J_N = _c(6)
+J_BLOCK = _c(7)
+J_UNIT = _c(8)
+J_BITS = _c(9)
+J_PACKED = _c(10)
+J_VKIND = _c(11)
+J_COLS = _c(12)
+J_A = _c(13)
+J_B = _c(14)
+J_INDEX0 = _c(15)
+J_CODE_KEY = _c(16)
+J_ROUND_KEY = _c(17)
+J_CODE_SR = _c(18)
+J_PARAM_SR = _c(19)
+J_NUNIQ = _c(20)
+JOB_FIELDS = _c(21)
+# The per-step fp32 scalars of a job, as _fused.hyperparameters names them
+# (N_HYPER of them).
 HYPER_FIELDS = (
     "w1",
     "beta2",
@@ -48,15 +69,34 @@ HYPER_FIELDS = (
     "sign",
     "max_step",
 )
+N_HYPER = _c(len(HYPER_FIELDS))
 # Second-moment kinds (J_VKIND).
-V_BLOCKS, V_ELEMENT, V_FACTORED = 0, 1, 2
+V_BLOCKS = _c(0)
+V_ELEMENT = _c(1)
+V_FACTORED = _c(2)
 # The quantizer table of one codebook, fp32, every part padded to 256 entries:
 # codebook | midpoints (+inf) | u_1.. (+inf) | u_0.. (+inf, 257) | first code of u_k.
-Q_CB, Q_MID, Q_UP, Q_UNIQ, Q_FIRST, Q_SIZE = 0, 256, 512, 768, 1025, 1281
+Q_CB = _c(0)
+Q_MID = _c(256)
+Q_UP = _c(512)
+Q_UNIQ = _c(768)
+Q_FIRST = _c(1025)
+Q_SIZE = _c(1281)
 # Columns of the factored jobs' table.
-F_GRAD, F_V, F_ROWS, F_COLS, F_A, F_B, F_COLPART, F_ROWPART = 0, 1, 2, 3, 4, 5, 6, 7
-F_CPART, F_CHUNK_ROWS, F_NCHUNK, F_NCT, F_JOB = 8, 9, 10, 11, 12
-FACTOR_FIELDS = 13
+F_GRAD = _c(0)
+F_V = _c(1)
+F_ROWS = _c(2)
+F_COLS = _c(3)
+F_A = _c(4)
+F_B = _c(5)
+F_COLPART = _c(6)
+F_ROWPART = _c(7)
+F_CPART = _c(8)
+F_CHUNK_ROWS = _c(9)
+F_NCHUNK = _c(10)
+F_NCT = _c(11)
+F_JOB = _c(12)
+FACTOR_FIELDS = _c(13)
 
 
 @triton.jit
@@ -282,7 +322,7 @@ def gefen_step_kernel(
     pid = tl.program_id(0).to(tl.int64)
     j = _find_job(starts, pid, njobs, LOG_JOBS)
     job = jobs + j * JOB_FIELDS
-    hyp = hypers + j * len(HYPER_FIELDS)
+    hyp = hypers + j * N_HYPER
     n = tl.load(job + J_N)
     block = tl.load(job + J_BLOCK)
     unit = tl.load(job + J_UNIT)
@@ -332,7 +372,9 @@ def gefen_step_kernel(
             e = origin + lanes
             ok = e < uend
             in_a = e < split
-            g, m = _momentum(job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE)
+            g, m = _momentum(
+                job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE
+            )
             _element_v(job, hyp, e, ok, g, EXACT)
             g2 = tl.where(ok, g * g, 0.0).to(tl.float64)
             sum_a += tl.sum(tl.where(in_a, g2, 0.0))
@@ -354,7 +396,9 @@ def gefen_step_kernel(
             e = origin + lanes
             ok = e < uend
             in_a = e < split
-            g, m = _momentum(job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE)
+            g, m = _momentum(
+                job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE
+            )
             den = _den(job, hyp, e, ok, in_a, den_a, den_b)
             amax = tl.where(in_a, amax_a, amax_b)
             _finish(job, hyp, e, ok, m, amax, den, origin, TILE, P_DTYPE)
@@ -421,7 +465,7 @@ def factor_cols_kernel(
     pid = tl.program_id(0).to(tl.int64)
     j = _find_job(starts, pid, njobs, LOG_JOBS)
     fj = fjobs + j * FACTOR_FIELDS
-    hyp = hypers + tl.load(fj + F_JOB) * len(HYPER_FIELDS)
+    hyp = hypers + tl.load(fj + F_JOB) * N_HYPER
     rows = tl.load(fj + F_ROWS)
     cols = tl.load(fj + F_COLS)
     tile = pid - tl.load(starts + j)
@@ -461,7 +505,7 @@ def factor_a_kernel(
     pid = tl.program_id(0).to(tl.int64)
     j = _find_job(starts, pid, njobs, LOG_JOBS)
     fj = fjobs + j * FACTOR_FIELDS
-    hyp = hypers + tl.load(fj + F_JOB) * len(HYPER_FIELDS)
+    hyp = hypers + tl.load(fj + F_JOB) * N_HYPER
     rows = tl.load(fj + F_ROWS)
     cols = tl.load(fj + F_COLS)
     tile = pid - tl.load(starts + j)

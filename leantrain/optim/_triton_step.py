@@ -35,7 +35,6 @@ how the parity tests run in the default CPU suite (``tests/conftest.py``).
 from __future__ import annotations
 
 import math
-import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -56,7 +55,6 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 __all__ = ["available", "job", "launch", "problem", "serves", "warn_fallback"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TRITON_DTYPES = {}  # torch dtype -> tl dtype, filled on first use
 _MAX_TILE = 1024  # elements a program holds at once (a longer unit takes 2 passes)
 _FACTOR_ROWS = 16  # rows of a factor-sum tile
 _MAX_CHUNKS = 64  # row chunks per factored gradient: scratch is 64 x cols doubles
@@ -165,17 +163,24 @@ def _device_table(codebook: Tensor, device: torch.device, k) -> Tensor:
         return entry[2]
     t = quant_table(codebook)
     u = t.uniq.numel()
-    table = torch.full((k.Q_SIZE,), math.inf, dtype=torch.float32)
-    table[k.Q_CB : k.Q_CB + t.codebook.numel()] = t.codebook
-    table[k.Q_MID : k.Q_MID + u - 1] = t.mid[: u - 1]
-    table[k.Q_UP : k.Q_UP + u - 1] = t.uniq[1:]
-    table[k.Q_UNIQ : k.Q_UNIQ + u] = t.uniq
-    table[k.Q_FIRST :] = 0.0
-    table[k.Q_FIRST : k.Q_FIRST + u] = t.first.float()
+    cb, mid, up, uniq, first = (
+        int(x) for x in (k.Q_CB, k.Q_MID, k.Q_UP, k.Q_UNIQ, k.Q_FIRST)
+    )
+    table = torch.full((int(k.Q_SIZE),), math.inf, dtype=torch.float32)
+    table[cb : cb + t.codebook.numel()] = t.codebook
+    table[mid : mid + u - 1] = t.mid[: u - 1]
+    table[up : up + u - 1] = t.uniq[1:]
+    table[uniq : uniq + u] = t.uniq
+    table[first:] = 0.0
+    table[first : first + u] = t.first.float()
     table = table.to(device)
     if len(_tables) >= 16:
         _tables.clear()
-    _tables[id(codebook), str(device)] = (weakref.ref(codebook), codebook._version, table)
+    _tables[id(codebook), str(device)] = (
+        weakref.ref(codebook),
+        codebook._version,
+        table,
+    )
     return table
 
 
@@ -189,175 +194,266 @@ def _pow2(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, 1 << max(0, int(x) - 1).bit_length()))
 
 
-def _upload(rows: list[list], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A table built on the host, on ``device`` without waiting for it."""
+def _upload(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A table built on the host, on ``device`` without waiting for it (pinned:
+    the copy is asynchronous, and the pinned block is not reused before it ran)."""
     table = torch.tensor(rows, dtype=dtype)
     if device.type == "cuda":
         return table.pin_memory().to(device, non_blocking=True)
     return table
 
 
+def _starts(counts: list[int], device: torch.device) -> Tensor:
+    """Each job's first program index, then the total: the kernels' search table."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return _upload(out, torch.int64, device)
+
+
 def _log_jobs(count: int) -> int:
+    """Probes of the kernels' binary search over ``count`` jobs."""
     return max(1, (count - 1).bit_length())
 
 
-def launch(jobs: list[Job]) -> int:
-    """One Gefen step of every job, on the device of their tensors (all the same;
-    CPU tensors run through the interpreter). Returns the number of kernel
-    launches (see the module docstring)."""
-    if not jobs:
-        return 0
-    device = jobs[0].param.device
-    if _compiled is None:
-        raise RuntimeError("Gefen's Triton step needs triton: pip install triton")
-    k = _compiled
-    if not _TRITON_DTYPES:
-        import triton.language as tl
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
 
-        _TRITON_DTYPES.update(
-            {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-        )
-    exact = device.type == "cpu"  # the interpreter's tl.fma rounds twice
-    # jobs of one (grad dtype, param dtype) pair are contiguous rows: one launch each
-    jobs = sorted(jobs, key=lambda j: (str(j.grad.dtype), str(j.param.dtype)))
-    factored = [i for i, j in enumerate(jobs) if "factored" in j.state]
-    # factored scratch: a, b (fp32, R + C each); colpart, rowpart, cpart (fp64)
-    shapes = []
-    cols_tile = _pow2(max((j.param.numel() // int(jobs[i].state["factored"]) for i in factored for j in [jobs[i]]), default=1), 16, 256)
-    f32_size = f64_size = 0
-    for i in factored:
-        rows = int(jobs[i].state["factored"])
-        cols = jobs[i].param.numel() // rows
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(
+        dtype, tl.float16
+    )
+
+
+@dataclass
+class _Factored:
+    """One factored job's shape and its share of the step's scratch."""
+
+    slot: int  # the job's row in the tables
+    rows: int
+    cols: int
+    chunk_rows: int  # rows per chunk of the row sums
+    nchunk: int
+    nct: int  # column tiles
+    a: int  # addresses: a [rows], b [cols] (fp32), then the fp64 partial sums
+    b: int
+    colpart: int  # [nchunk, cols]
+    rowpart: int  # [nct, rows]
+    cpart: int  # [nct]
+
+
+def _factored_layout(jobs: list[Job], device: torch.device, cols_tile: int, k):
+    """The factored jobs' scratch (returned, to keep it alive) and layouts."""
+    shapes, f32_size, f64_size = [], 0, 0
+    for slot, j in enumerate(jobs):
+        if "factored" not in j.state:
+            continue
+        rows = int(j.state["factored"])
+        cols = j.param.numel() // rows
         nchunk = min(_MAX_CHUNKS, math.ceil(rows / _FACTOR_ROWS))
         chunk_rows = math.ceil(rows / nchunk)
         nchunk = math.ceil(rows / chunk_rows)
         nct = math.ceil(cols / cols_tile)
-        shapes.append((rows, cols, nchunk, chunk_rows, nct, f32_size, f64_size))
+        shapes.append((slot, rows, cols, chunk_rows, nchunk, nct, f32_size, f64_size))
         f32_size += rows + cols
         f64_size += nchunk * cols + nct * rows + nct
     f32 = torch.empty(max(f32_size, 1), dtype=torch.float32, device=device)
     f64 = torch.empty(max(f64_size, 1), dtype=torch.float64, device=device)
-    ab = {}  # job index -> (a address, b address, cols)
-    frows = []
-    for i, (rows, cols, nchunk, chunk_rows, nct, o32, o64) in zip(factored, shapes, strict=True):
+    out = []
+    for slot, rows, cols, chunk_rows, nchunk, nct, o32, o64 in shapes:
         a = f32.data_ptr() + 4 * o32
-        b = a + 4 * rows
         colpart = f64.data_ptr() + 8 * o64
         rowpart = colpart + 8 * nchunk * cols
-        cpart = rowpart + 8 * nct * rows
-        ab[i] = (a, b, cols)
-        fj = [0] * k.FACTOR_FIELDS
-        fj[k.F_GRAD] = jobs[i].grad.data_ptr()
-        fj[k.F_V] = jobs[i].state["exp_avg_sq"].data_ptr()
-        fj[k.F_ROWS], fj[k.F_COLS] = rows, cols
-        fj[k.F_A], fj[k.F_B] = a, b
-        fj[k.F_COLPART], fj[k.F_ROWPART], fj[k.F_CPART] = colpart, rowpart, cpart
-        fj[k.F_CHUNK_ROWS], fj[k.F_NCHUNK], fj[k.F_NCT] = chunk_rows, nchunk, nct
-        fj[k.F_JOB] = i
-        frows.append(fj)
-    table, hypers, units = [], [], []
-    for i, j in enumerate(jobs):
-        period, block, bits = j.layout
-        n = j.param.numel()
-        packed = bits == 4 and packed_codes(j.param, j.state)
-        unit = 2 if packed and block % 2 else 1
-        row = [0] * k.JOB_FIELDS
-        row[k.J_PARAM], row[k.J_GRAD] = j.param.data_ptr(), j.grad.data_ptr()
-        row[k.J_V] = j.state["exp_avg_sq"].data_ptr()
-        row[k.J_N], row[k.J_BLOCK], row[k.J_UNIT], row[k.J_BITS] = n, block, unit, bits
-        row[k.J_PACKED] = int(packed)
-        if bits:
-            row[k.J_M] = j.state["exp_avg_codes"].data_ptr()
-            row[k.J_ABSMAX] = j.state["exp_avg_absmax"].data_ptr()
-            row[k.J_QTAB] = _device_table(j.state["codebook"], device, k).data_ptr()
-            row[k.J_NUNIQ] = quant_table(j.state["codebook"]).uniq.numel()
-        else:
-            row[k.J_M] = j.state["exp_avg"].data_ptr()
-        if i in ab:
-            row[k.J_VKIND] = k.V_FACTORED
-            row[k.J_A], row[k.J_B], row[k.J_COLS] = ab[i]
-        else:
-            row[k.J_VKIND] = k.V_ELEMENT if period == 1 else k.V_BLOCKS
-        row[k.J_INDEX0] = j.index0
-        row[k.J_CODE_SR] = int(j.code_key is not None and bits != 0)
-        row[k.J_CODE_KEY] = _signed(j.code_key or 0)
-        row[k.J_PARAM_SR] = int(j.stochastic and j.param.dtype == torch.bfloat16)
-        row[k.J_ROUND_KEY] = _signed(j.key)
-        table.append(row)
-        hypers.append([j.hyper[f] for f in k.HYPER_FIELDS])
-        units.append(math.ceil(n / (unit * block)))
+        out.append(
+            _Factored(
+                slot,
+                rows,
+                cols,
+                chunk_rows,
+                nchunk,
+                nct,
+                a,
+                a + 4 * rows,
+                colpart,
+                rowpart,
+                rowpart + 8 * nct * rows,
+            )
+        )
+    return (f32, f64), out
+
+
+def _factor_row(f: _Factored, j: Job, k) -> list[int]:
+    row = [0] * int(k.FACTOR_FIELDS)
+    row[k.F_GRAD], row[k.F_V] = j.grad.data_ptr(), j.state["exp_avg_sq"].data_ptr()
+    row[k.F_ROWS], row[k.F_COLS], row[k.F_A], row[k.F_B] = f.rows, f.cols, f.a, f.b
+    row[k.F_COLPART], row[k.F_ROWPART], row[k.F_CPART] = f.colpart, f.rowpart, f.cpart
+    row[k.F_CHUNK_ROWS], row[k.F_NCHUNK], row[k.F_NCT] = f.chunk_rows, f.nchunk, f.nct
+    row[k.F_JOB] = f.slot
+    return row
+
+
+def _job_row(j: Job, f: _Factored | None, device: torch.device, k) -> list[int]:
+    """One job's row of the int64 table (the kernels' J_* columns)."""
+    period, block, bits = j.layout
+    packed = bits == 4 and packed_codes(j.param, j.state)
+    row = [0] * int(k.JOB_FIELDS)
+    row[k.J_PARAM], row[k.J_GRAD] = j.param.data_ptr(), j.grad.data_ptr()
+    row[k.J_V] = j.state["exp_avg_sq"].data_ptr()
+    row[k.J_N], row[k.J_BLOCK], row[k.J_BITS] = j.param.numel(), block, bits
+    # 4-bit codes of an odd block share a byte with the next block: a program
+    # takes two blocks, so one program writes that byte
+    row[k.J_UNIT] = 2 if packed and block % 2 else 1
+    row[k.J_PACKED] = int(packed)
+    if bits:
+        codebook = j.state["codebook"]
+        row[k.J_M] = j.state["exp_avg_codes"].data_ptr()
+        row[k.J_ABSMAX] = j.state["exp_avg_absmax"].data_ptr()
+        row[k.J_QTAB] = _device_table(codebook, device, k).data_ptr()
+        row[k.J_NUNIQ] = quant_table(codebook).uniq.numel()
+    else:
+        row[k.J_M] = j.state["exp_avg"].data_ptr()
+    if f is not None:
+        row[k.J_VKIND], row[k.J_A], row[k.J_B], row[k.J_COLS] = (
+            int(k.V_FACTORED),
+            f.a,
+            f.b,
+            f.cols,
+        )
+    else:
+        row[k.J_VKIND] = int(k.V_ELEMENT if period == 1 else k.V_BLOCKS)
+    row[k.J_INDEX0] = j.index0
+    row[k.J_CODE_SR] = int(j.code_key is not None and bits != 0)
+    row[k.J_CODE_KEY] = _signed(j.code_key or 0)
+    row[k.J_PARAM_SR] = int(j.stochastic and j.param.dtype == torch.bfloat16)
+    row[k.J_ROUND_KEY] = _signed(j.key)
+    return row
+
+
+def launch(jobs: list[Job]) -> int:
+    """One Gefen step of every job, on the device of their tensors (CPU tensors
+    run through the interpreter). Returns the number of kernel launches: one per
+    (gradient dtype, parameter dtype) pair, plus three with factored jobs.
+
+    Raises:
+        ValueError: jobs on different devices.
+        RuntimeError: triton is not installed.
+    """
+    if not jobs:
+        return 0
+    if _compiled is None:
+        raise RuntimeError("Gefen's Triton step needs triton: pip install triton")
+    device = jobs[0].param.device
+    for j in jobs:
+        if j.param.device != device:
+            raise ValueError(
+                f"one launch takes tensors of one device: {j.param.device} and {device}"
+            )
+    k = _compiled
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # triton launches on the current device
+            return _launch(jobs, device, k, {"enable_fp_fusion": False})
+    return _launch(jobs, device, k, {})
+
+
+def _launch(jobs: list[Job], device: torch.device, k, opts: dict) -> int:
+    exact = device.type == "cpu"  # the interpreter's tl.fma rounds twice
+    # rows of one (grad dtype, param dtype) pair are contiguous: one launch each
+    jobs = sorted(jobs, key=lambda j: (str(j.grad.dtype), str(j.param.dtype)))
+    cols_tile = _pow2(
+        max(
+            (
+                j.param.numel() // int(j.state["factored"])
+                for j in jobs
+                if "factored" in j.state
+            ),
+            default=1,
+        ),
+        16,
+        256,
+    )
+    scratch, factored = _factored_layout(jobs, device, cols_tile, k)
+    of_slot = {f.slot: f for f in factored}
+    table = [_job_row(j, of_slot.get(i), device, k) for i, j in enumerate(jobs)]
+    hypers = [[j.hyper[f] for f in k.HYPER_FIELDS] for j in jobs]
+    units = [math.ceil(r[k.J_N] / (r[k.J_UNIT] * r[k.J_BLOCK])) for r in table]
     jobs_t = _upload(table, torch.int64, device)
     hyper_t = _upload(hypers, torch.float32, device)
-    # Keep the tensors the tables point into alive until the kernels ran: the
-    # caching allocator reuses freed memory only in stream order, so holding
-    # them to the end of this function is enough.
     count = 0
-    opts = {"enable_fp_fusion": False} if device.type == "cuda" else {}
     if factored:
-        f_t = _upload(frows, torch.int64, device)
-        log = _log_jobs(len(factored))
-        nf = len(factored)
-        per = [s[2] * s[4] for s in shapes]
-        starts = _upload([_cumsum(per)], torch.int64, device).view(-1)
-        # the row sums read the gradient: one launch per gradient dtype
-        groups: dict[torch.dtype, list[int]] = {}
-        for slot, i in enumerate(factored):
-            groups.setdefault(jobs[i].grad.dtype, []).append(slot)
-        for gdtype, slots in groups.items():
-            lo, hi = slots[0], slots[-1] + 1
-            if slots != list(range(lo, hi)):
-                raise AssertionError("factored jobs of one gradient dtype are contiguous")
-            sub_starts = starts[lo : hi + 1] - starts[lo]
-            k.factor_rows_kernel[(sum(per[lo:hi]),)](
-                f_t[lo:hi],
-                sub_starts,
-                hi - lo,
-                ROWS=_FACTOR_ROWS,
-                COLS=cols_tile,
-                LOG_JOBS=_log_jobs(hi - lo),
-                G_DTYPE=_TRITON_DTYPES[gdtype],
-                **opts,
-            )
-            count += 1
-        col_starts = _upload([_cumsum([s[4] for s in shapes])], torch.int64, device).view(-1)
-        k.factor_cols_kernel[(sum(s[4] for s in shapes),)](
-            f_t, hyper_t, col_starts, nf, COLS=cols_tile, LOG_JOBS=log, EXACT=exact, **opts
-        )
-        rows_tile = _pow2(max(s[0] for s in shapes), 16, 256)
-        row_tiles = [math.ceil(s[0] / rows_tile) for s in shapes]
-        row_starts = _upload([_cumsum(row_tiles)], torch.int64, device).view(-1)
-        k.factor_a_kernel[(sum(row_tiles),)](
-            f_t, hyper_t, row_starts, nf, ROWS=rows_tile, LOG_JOBS=log, EXACT=exact, **opts
-        )
-        count += 2
+        count += _launch_factored(jobs, factored, hyper_t, cols_tile, device, k, opts)
     lo = 0
     while lo < len(jobs):
-        pair = (jobs[lo].param.dtype, jobs[lo].grad.dtype)
+        pair = (jobs[lo].grad.dtype, jobs[lo].param.dtype)
         hi = lo
-        while hi < len(jobs) and (jobs[hi].param.dtype, jobs[hi].grad.dtype) == pair:
+        while hi < len(jobs) and (jobs[hi].grad.dtype, jobs[hi].param.dtype) == pair:
             hi += 1
-        longest = max(j_unit * jobs[i].layout[1] for i, j_unit in ((i, table[i][k.J_UNIT]) for i in range(lo, hi)))
-        tile = _pow2(min(longest, max(jobs[i].param.numel() for i in range(lo, hi))), 16, _MAX_TILE)
-        starts = _upload([_cumsum(units[lo:hi])], torch.int64, device).view(-1)
+        # a tile holds the longest unit, up to _MAX_TILE (longer: two passes)
+        longest = max(min(r[k.J_UNIT] * r[k.J_BLOCK], r[k.J_N]) for r in table[lo:hi])
         k.gefen_step_kernel[(sum(units[lo:hi]),)](
             jobs_t[lo:hi],
             hyper_t[lo:hi],
-            starts,
+            _starts(units[lo:hi], device),
             hi - lo,
-            TILE=tile,
+            TILE=_pow2(longest, 16, _MAX_TILE),
             LOG_JOBS=_log_jobs(hi - lo),
-            P_DTYPE=_TRITON_DTYPES[pair[0]],
-            G_DTYPE=_TRITON_DTYPES[pair[1]],
+            P_DTYPE=_tl_dtype(pair[1]),
+            G_DTYPE=_tl_dtype(pair[0]),
             EXACT=exact,
             **opts,
         )
         count += 1
         lo = hi
+    del scratch  # freed in stream order: the kernels above run first
     return count
 
 
-def _cumsum(values: list[int]) -> list[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+def _launch_factored(jobs, factored, hyper_t, cols_tile, device, k, opts) -> int:
+    """The three launches that advance the factored jobs' factors and leave this
+    step's ``a`` and ``b`` in scratch; returns 3 (the row sums go once per
+    gradient dtype, so more with mixed gradient dtypes)."""
+    f_t = _upload(
+        [_factor_row(f, jobs[f.slot], k) for f in factored], torch.int64, device
+    )
+    count, lo = 0, 0
+    while lo < len(factored):  # the row sums read the gradient: one per dtype
+        gdtype = jobs[factored[lo].slot].grad.dtype
+        hi = lo
+        while hi < len(factored) and jobs[factored[hi].slot].grad.dtype == gdtype:
+            hi += 1
+        per = [f.nchunk * f.nct for f in factored[lo:hi]]
+        k.factor_rows_kernel[(sum(per),)](
+            f_t[lo:hi],
+            _starts(per, device),
+            hi - lo,
+            ROWS=_FACTOR_ROWS,
+            COLS=cols_tile,
+            LOG_JOBS=_log_jobs(hi - lo),
+            G_DTYPE=_tl_dtype(gdtype),
+            **opts,
+        )
+        count += 1
+        lo = hi
+    nf, log = len(factored), _log_jobs(len(factored))
+    tiles = [f.nct for f in factored]
+    k.factor_cols_kernel[(sum(tiles),)](
+        f_t,
+        hyper_t,
+        _starts(tiles, device),
+        nf,
+        COLS=cols_tile,
+        LOG_JOBS=log,
+        EXACT=device.type == "cpu",
+        **opts,
+    )
+    rows_tile = _pow2(max(f.rows for f in factored), 16, 256)
+    tiles = [math.ceil(f.rows / rows_tile) for f in factored]
+    k.factor_a_kernel[(sum(tiles),)](
+        f_t,
+        hyper_t,
+        _starts(tiles, device),
+        nf,
+        ROWS=rows_tile,
+        LOG_JOBS=log,
+        EXACT=device.type == "cpu",
+        **opts,
+    )
+    return count + 2

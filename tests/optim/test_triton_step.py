@@ -82,8 +82,12 @@ def assert_parity(mine: dict, ref: dict, p_mine, p_ref, n: int, ties: int) -> No
             mine["exp_avg_absmax"], ref["exp_avg_absmax"], rtol=1e-6, atol=0
         )
     else:
-        torch.testing.assert_close(mine["exp_avg"], ref["exp_avg"], rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(p_mine.cpu().float(), p_ref.float(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            mine["exp_avg"], ref["exp_avg"], rtol=1e-6, atol=1e-7
+        )
+    torch.testing.assert_close(
+        p_mine.cpu().float(), p_ref.float(), rtol=1e-5, atol=1e-6
+    )
 
 
 def blocks_case(device, bits, n, period, update_clip, steps=2):
@@ -198,9 +202,13 @@ def low_precision_case(device, dtype, n, period):
     mine_cpu = {k: v.cpu() for k, v in mine.items()}
     diff = codes_of(mine_cpu, n).int() - codes_of(ref, n).int()
     assert int((diff != 0).sum()) <= 1
-    torch.testing.assert_close(mine_cpu["exp_avg_sq"], ref["exp_avg_sq"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        mine_cpu["exp_avg_sq"], ref["exp_avg_sq"], rtol=1e-6, atol=0
+    )
     # one rounding of the parameter's dtype apart at most (stochastic or not)
-    torch.testing.assert_close(p_mine.cpu().float(), p_ref.float(), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(
+        p_mine.cpu().float(), p_ref.float(), rtol=1e-2, atol=1e-3
+    )
     if dtype == torch.bfloat16 and _native.load() is not None:
         c_state, p_c = copy_state(state), param.clone()
         _fused.fused_step(p_c, grad, c_state, seed=3, **HYPER)  # bf16: stochastic
@@ -270,7 +278,9 @@ def test_gefen_steps_through_triton(monkeypatch):
     )
     twin.load_state_dict(model.state_dict())
     x, y = torch.randn(32, 12), torch.randn(32, 3)
-    opts = [Gefen(m.parameters(), lr=1e-2, second_moment="factored") for m in (model, twin)]
+    opts = [
+        Gefen(m.parameters(), lr=1e-2, second_moment="factored") for m in (model, twin)
+    ]
     launches = []
     real = _triton_step.launch
 
@@ -278,7 +288,7 @@ def test_gefen_steps_through_triton(monkeypatch):
         launches.append(real(jobs))
         return launches[-1]
 
-    for step in range(3):
+    for _ in range(3):
         for m, opt in zip((model, twin), opts, strict=True):
             opt.zero_grad()
             (m(x) - y).square().mean().backward()
@@ -350,3 +360,56 @@ def test_cuda_low_precision_params(dtype):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_many_parameters_in_four_launches():
     many_case("cuda")
+
+
+_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from leantrain.optim import _triton_kernels as k
+
+def compile_(fn, types, constants):
+    signature = {**types, **{name: "constexpr" for name in constants}}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+    options = {"enable_fp_fusion": False}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+tables = {"jobs": "*i64", "hypers": "*fp32", "starts": "*i64", "njobs": "i32"}
+pairs = [(tl.float32, tl.float32), (tl.bfloat16, tl.bfloat16), (tl.float16, tl.float32)]
+for p_dtype, g_dtype in pairs:
+    constants = {"TILE": 1024, "LOG_JOBS": 8, "P_DTYPE": p_dtype, "G_DTYPE": g_dtype,
+                 "EXACT": False}
+    ptx = compile_(k.gefen_step_kernel, tables, constants).asm["ptx"]
+    # IEEE division and square root only (Triton's plain / and sqrt are not)
+    assert "div.full" not in ptx and "sqrt.approx" not in ptx, "approximate math"
+factor = {"fjobs": "*i64", "starts": "*i64", "njobs": "i32"}
+compile_(k.factor_rows_kernel, factor, {"ROWS": 16, "COLS": 256, "LOG_JOBS": 6,
+                                        "G_DTYPE": tl.float32})
+factor = {"fjobs": "*i64", "hypers": "*fp32", "starts": "*i64", "njobs": "i32"}
+compile_(k.factor_cols_kernel, factor, {"COLS": 256, "LOG_JOBS": 6, "EXACT": False})
+compile_(k.factor_a_kernel, factor, {"ROWS": 256, "LOG_JOBS": 6, "EXACT": False})
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_cuda():
+    """The interpreter runs Python, not Triton's compiler: a kernel it runs may
+    still not compile (a global that is not constexpr, a type the compiler
+    rejects). Compiling for an H100 (sm_90) needs no GPU, only triton's CUDA
+    backend: done in a subprocess without ``TRITON_INTERPRET``."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
