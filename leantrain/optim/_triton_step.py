@@ -48,9 +48,10 @@ from ._state_layout import packed_codes
 try:  # an optional dependency: the CPU path never needs it
     import triton
 
+    from . import _triton_factored as _factored
     from . import _triton_kernels as _compiled
 except ImportError:  # pragma: no cover - exercised where triton is absent
-    _compiled = None
+    _compiled = _factored = None
 
 __all__ = ["available", "job", "launch", "problem", "serves", "warn_fallback"]
 
@@ -281,7 +282,9 @@ def _factored_layout(jobs: list[Job], device: torch.device, cols_tile: int, k):
     return (f32, f64), out
 
 
-def _factor_row(f: _Factored, j: Job, k) -> list[int]:
+def _factor_row(f: _Factored, j: Job) -> list[int]:
+    """One factored job's row of its int64 table (``_triton_factored``'s F_*)."""
+    k = _factored
     row = [0] * int(k.FACTOR_FIELDS)
     row[k.F_GRAD], row[k.F_V] = j.grad.data_ptr(), j.state["exp_avg_sq"].data_ptr()
     row[k.F_ROWS], row[k.F_COLS], row[k.F_A], row[k.F_B] = f.rows, f.cols, f.a, f.b
@@ -410,9 +413,7 @@ def _launch_factored(jobs, factored, hyper_t, cols_tile, device, k, opts) -> int
     """The three launches that advance the factored jobs' factors and leave this
     step's ``a`` and ``b`` in scratch; returns 3 (the row sums go once per
     gradient dtype, so more with mixed gradient dtypes)."""
-    f_t = _upload(
-        [_factor_row(f, jobs[f.slot], k) for f in factored], torch.int64, device
-    )
+    f_t = _upload([_factor_row(f, jobs[f.slot]) for f in factored], torch.int64, device)
     count, lo = 0, 0
     while lo < len(factored):  # the row sums read the gradient: one per dtype
         gdtype = jobs[factored[lo].slot].grad.dtype
@@ -420,7 +421,7 @@ def _launch_factored(jobs, factored, hyper_t, cols_tile, device, k, opts) -> int
         while hi < len(factored) and jobs[factored[hi].slot].grad.dtype == gdtype:
             hi += 1
         per = [f.nchunk * f.nct for f in factored[lo:hi]]
-        k.factor_rows_kernel[(sum(per),)](
+        _factored.factor_rows_kernel[(sum(per),)](
             f_t[lo:hi],
             _starts(per, device),
             hi - lo,
@@ -434,7 +435,7 @@ def _launch_factored(jobs, factored, hyper_t, cols_tile, device, k, opts) -> int
         lo = hi
     nf, log = len(factored), _log_jobs(len(factored))
     tiles = [f.nct for f in factored]
-    k.factor_cols_kernel[(sum(tiles),)](
+    _factored.factor_cols_kernel[(sum(tiles),)](
         f_t,
         hyper_t,
         _starts(tiles, device),
@@ -446,7 +447,7 @@ def _launch_factored(jobs, factored, hyper_t, cols_tile, device, k, opts) -> int
     )
     rows_tile = _pow2(max(f.rows for f in factored), 16, 256)
     tiles = [math.ceil(f.rows / rows_tile) for f in factored]
-    k.factor_a_kernel[(sum(tiles),)](
+    _factored.factor_a_kernel[(sum(tiles),)](
         f_t,
         hyper_t,
         _starts(tiles, device),

@@ -366,7 +366,7 @@ _COMPILE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from leantrain.optim import _triton_kernels as k
+from leantrain.optim import _triton_factored as f, _triton_kernels as k
 
 def compile_(fn, types, constants):
     signature = {**types, **{name: "constexpr" for name in constants}}
@@ -383,11 +383,11 @@ for p_dtype, g_dtype in pairs:
     # IEEE division and square root only (Triton's plain / and sqrt are not)
     assert "div.full" not in ptx and "sqrt.approx" not in ptx, "approximate math"
 factor = {"fjobs": "*i64", "starts": "*i64", "njobs": "i32"}
-compile_(k.factor_rows_kernel, factor, {"ROWS": 16, "COLS": 256, "LOG_JOBS": 6,
+compile_(f.factor_rows_kernel, factor, {"ROWS": 16, "COLS": 256, "LOG_JOBS": 6,
                                         "G_DTYPE": tl.float32})
 factor = {"fjobs": "*i64", "hypers": "*fp32", "starts": "*i64", "njobs": "i32"}
-compile_(k.factor_cols_kernel, factor, {"COLS": 256, "LOG_JOBS": 6, "EXACT": False})
-compile_(k.factor_a_kernel, factor, {"ROWS": 256, "LOG_JOBS": 6, "EXACT": False})
+compile_(f.factor_cols_kernel, factor, {"COLS": 256, "LOG_JOBS": 6, "EXACT": False})
+compile_(f.factor_a_kernel, factor, {"ROWS": 256, "LOG_JOBS": 6, "EXACT": False})
 print("compiled")
 """
 
