@@ -166,6 +166,13 @@ def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
     strided: list[tuple[Tensor, Tensor]] = []  # (parameter, its contiguous twin)
     for item in items:
         if _triton_step.serves(item.param.device):
+            if not (item.param.is_contiguous() and item.grad.is_contiguous()):
+                # as for the C kernel: a contiguous twin, written back after
+                twin = replace(
+                    item, param=item.param.contiguous(), grad=item.grad.contiguous()
+                )
+                strided.append((item.param, twin.param))
+                item = twin
             checked = _checked(item, None, cache)
             if checked is None:
                 continue

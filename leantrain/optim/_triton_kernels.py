@@ -240,8 +240,38 @@ def _finish(
             sr = ((u >> 16) & 0x8000) | (a + away.to(tl.uint32))
             out = tl.where(mag >= 0x7F800000, nearest, sr)
         tl.store(param + e, out.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=ok)
+    elif P_DTYPE == tl.float16:
+        out = p.to(tl.float16)  # nearest even
+        if tl.load(job + J_PARAM_SR) != 0:
+            rbits = _hash(e + tl.load(job + J_INDEX0), tl.load(job + J_ROUND_KEY))
+            out = _fp16_stochastic(p, out, rbits)
+        tl.store(param + e, out, mask=ok)
     else:
-        tl.store(param + e, p.to(P_DTYPE), mask=ok)
+        tl.store(param + e, p, mask=ok)
+
+
+@triton.jit
+def _fp16_stochastic(p, nearest, rbits):
+    """precision.stochastic_round to fp16, bit for bit: a = the fp16 value
+    nearest ``p`` toward zero, b the next; b iff the 32 random bits are below
+    floor((|p| - a) / (b - a) * 2^32), exact in fp32 (|p| - a by Sterbenz's lemma,
+    b - a a power of two); saturating at the largest finite value."""
+    mag = nearest.to(tl.uint16, bitcast=True).to(tl.uint32) & 0x7FFF
+    ax = tl.abs(p)
+    above = tl.abs(nearest.to(tl.float32)) > ax
+    # at or past the largest finite value (65504, bits 0x7BFF) the result is a:
+    # clamped, so no lane computes inf - inf
+    a_bits = tl.minimum(tl.where(above, mag - 1, mag), 0x7BFF)
+    top = a_bits >= 0x7BFF
+    a = a_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    b_bits = tl.minimum(a_bits + 1, 0x7BFF)
+    b = b_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    frac = tl.math.div_rn(ax - a, tl.where(top, 1.0, b - a))
+    threshold = tl.where(top, 0.0, frac * 4294967296.0).to(tl.int64)
+    away = rbits.to(tl.int64) < threshold
+    bits = tl.where(away, a_bits + 1, a_bits) | ((p < 0).to(tl.uint32) << 15)
+    out = bits.to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.where(ax < float("inf"), out, nearest)  # NaN, inf: as nearest
 
 
 @triton.jit

@@ -11,11 +11,13 @@ of jobs at once (:func:`launch`).
 
 **Covered:** 8-bit and 4-bit codes (packed or one per byte) and fp32 momentum;
 second moment per block, per element or factored; nearest and stochastic codes;
-fp32, bf16 and fp16 parameters and gradients, bf16 parameters rounded to nearest
-or stochastically; weight decay, ``maximize``, ``update_clip``. **Not covered**
-(:func:`problem` names it; the caller keeps the ``torch.compile``'d fallback):
-stochastic rounding of fp16 parameters, non-contiguous tensors, and anything
-without ``triton`` installed.
+fp32, bf16 and fp16 parameters and gradients, rounded to nearest or
+stochastically; weight decay, ``maximize``, ``update_clip``; non-contiguous
+parameters through ``step_many``'s contiguous twins. **Not covered** (:func:`problem`
+names it; the caller keeps the ``torch.compile``'d fallback and warns once):
+an environment without ``triton``, non-contiguous tensors handed to
+``fused_step`` directly, state tensors that are not Gefen's dtypes or not on the
+parameter's device.
 
 **Launches per step:** one main launch per (parameter dtype, gradient dtype)
 pair among the jobs (one for a model of one dtype), plus three when any job has
@@ -90,8 +92,6 @@ def problem(param: Tensor, grad: Tensor, state: dict, stochastic: bool) -> str |
             return f"a non-contiguous {name}"
         if t.device != param.device:
             return f"{name} on {t.device} beside param on {param.device}"
-    if stochastic and param.dtype == torch.float16:
-        return "stochastic rounding of fp16 parameters"
     names = ["exp_avg_sq"]
     names += ["exp_avg_absmax", "exp_avg_codes"] if "codebook" in state else ["exp_avg"]
     for name in names:
@@ -326,7 +326,7 @@ def _job_row(j: Job, f: _Factored | None, device: torch.device, k) -> list[int]:
     row[k.J_INDEX0] = j.index0
     row[k.J_CODE_SR] = int(j.code_key is not None and bits != 0)
     row[k.J_CODE_KEY] = _signed(j.code_key or 0)
-    row[k.J_PARAM_SR] = int(j.stochastic and j.param.dtype == torch.bfloat16)
+    row[k.J_PARAM_SR] = int(j.stochastic and j.param.dtype != torch.float32)
     row[k.J_ROUND_KEY] = _signed(j.key)
     return row
 

@@ -44,12 +44,16 @@ interpreter = pytest.mark.skipif(
 )
 
 
-def triton_step(param, grad, state, *, stochastic_codes=False, seed=0, **hyper):
-    """fused_step's bookkeeping around one Triton job; returns the launch count."""
+def triton_step(
+    param, grad, state, *, stochastic_codes=False, seed=0, stochastic=None, **hyper
+):
+    """fused_step's bookkeeping around one Triton job; returns the launch count
+    (``stochastic``: round a bf16/fp16 parameter stochastically; None: bf16 only)."""
     state["step"] += 1
     step = int(state["step"])
     h = _fused.hyperparameters(float(step), **hyper)
-    stochastic = param.dtype == torch.bfloat16
+    if stochastic is None:
+        stochastic = param.dtype == torch.bfloat16
     job = _triton_step.job(
         param,
         grad,
@@ -222,6 +226,26 @@ def test_low_precision_params(dtype):
     low_precision_case("cpu", dtype, 700, 70)
 
 
+def fp16_stochastic_case(device, n, period):
+    """fp16 parameters rounded stochastically: bit for bit the PyTorch fallback's
+    rounding (precision.stochastic_round), from subnormals to past fp16's largest
+    value (saturating)."""
+    torch.manual_seed(8)
+    state = random_state(n, period, 8, seed=2)
+    param = (torch.randn(n) * torch.logspace(-8, 5, n)).half()
+    grad = torch.randn(n).half()
+    mine, p_mine = on(device, state), param.to(device, copy=True)
+    ref, p_ref = copy_state(state), param.clone()
+    triton_step(p_mine, grad.to(device), mine, seed=4, stochastic=True, **HYPER)
+    _fused.fused_step(p_ref, grad, ref, seed=4, stochastic_rounding=True, **HYPER)
+    assert torch.equal(p_mine.cpu(), p_ref)
+
+
+@interpreter
+def test_fp16_stochastic_rounding_is_the_fallbacks():
+    fp16_stochastic_case("cpu", 3000, 100)
+
+
 def mixed_states(device):
     """Parameters of every kind in one list: blocks, per element, factored, 8-bit,
     4-bit, fp32 momentum."""
@@ -304,6 +328,24 @@ def test_gefen_steps_through_triton(monkeypatch):
     assert launches == [4, 4, 4]  # factored matrices: 3 + 1 launches a step
 
 
+@interpreter
+def test_strided_parameters_step_as_contiguous_twins(monkeypatch):
+    """step_many steps a transposed parameter (and gradient) as a contiguous copy
+    through the kernels and writes it back: the reference's step of that copy."""
+    from leantrain.optim._fused_many import StepItem, step_many
+
+    monkeypatch.setattr(_triton_step, "serves", lambda device: True)
+    torch.manual_seed(4)
+    base, grad = torch.randn(40, 30), torch.randn(30, 40)
+    param = base.t()  # (30, 40), not contiguous
+    state = random_state(1200, 40, 8, seed=3)
+    ref, p_ref = copy_state(state), param.contiguous()
+    step_many([StepItem(param, grad.t().contiguous().t(), state, **HYPER)])
+    reference_step(p_ref, grad.t().contiguous().t(), ref, **HYPER)
+    assert not param.is_contiguous()
+    assert_parity(state, ref, param, p_ref, 1200, ties=1)
+
+
 def test_uncovered_options_are_named():
     """What the Triton step does not cover yet is named (the fallback keeps it)."""
     p = torch.randn(8, 4)
@@ -311,18 +353,19 @@ def test_uncovered_options_are_named():
     g = torch.randn(8, 4)
     assert _triton_step.problem(p, g, state, False) is None
     assert "non-contiguous" in _triton_step.problem(p.t(), g.t(), state, False)
-    half = p.half()
-    assert "fp16" in _triton_step.problem(half, g.half(), state, True)
-    assert _triton_step.problem(half, g.half(), state, False) is None
+    assert "dtype torch.float64" in _triton_step.problem(p.double(), g, state, False)
+    codes = state["exp_avg_codes"]
+    state["exp_avg_codes"] = codes.int()
+    assert "exp_avg_codes" in _triton_step.problem(p, g, state, False)
 
 
 def test_fallback_warns_once_naming_the_option(monkeypatch):
     monkeypatch.setattr(_triton_step, "_warned", set())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        _triton_step.warn_fallback("stochastic rounding of fp16 parameters")
-        _triton_step.warn_fallback("stochastic rounding of fp16 parameters")
-    assert len(seen) == 1 and "fp16" in str(seen[0].message)
+        _triton_step.warn_fallback("a non-contiguous param")
+        _triton_step.warn_fallback("a non-contiguous param")
+    assert len(seen) == 1 and "non-contiguous param" in str(seen[0].message)
 
 
 # The same checks on CUDA at a larger size (pytest -m gpu).
@@ -354,6 +397,12 @@ def test_cuda_stochastic_codes_are_the_c_kernels(bits, n, period):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_low_precision_params(dtype):
     low_precision_case("cuda", dtype, 100_000, 700)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_fp16_stochastic_rounding_is_the_fallbacks():
+    fp16_stochastic_case("cuda", 100_000, 500)
 
 
 @pytest.mark.gpu
