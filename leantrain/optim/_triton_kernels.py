@@ -54,7 +54,8 @@ J_ROUND_KEY = _c(17)
 J_CODE_SR = _c(18)
 J_PARAM_SR = _c(19)
 J_NUNIQ = _c(20)
-JOB_FIELDS = _c(21)
+J_ZERO = _c(21)
+JOB_FIELDS = _c(22)
 # The per-step fp32 scalars of a job, as _fused.hyperparameters names them
 # (N_HYPER of them).
 HYPER_FIELDS = (
@@ -118,17 +119,20 @@ def _hash(i, key):
 
 
 @triton.jit
-def _count(table, x, OR_EQUAL: tl.constexpr):
+def _count(table, x, skip, OR_EQUAL: tl.constexpr):
     """#{j : table[j] < x} (``<=`` with OR_EQUAL) over 256 ascending fp32 entries
-    whose last is +inf: a branch-free binary search of 8 probes."""
+    whose last is +inf: a branch-free binary search of 8 probes, the first
+    ``skip`` left out (4 for a 4-bit table: its entries past 15 are +inf, so
+    those probes never hit)."""
     pos = tl.zeros(x.shape, dtype=tl.int32)
     for j in tl.static_range(8):
-        probe = tl.load(table + pos + ((128 >> j) - 1))
-        if OR_EQUAL:
-            hit = probe <= x
-        else:
-            hit = probe < x
-        pos = tl.where(hit, pos + (128 >> j), pos)
+        if j >= skip:
+            probe = tl.load(table + pos + ((128 >> j) - 1))
+            if OR_EQUAL:
+                hit = probe <= x
+            else:
+                hit = probe < x
+            pos = tl.where(hit, pos + (128 >> j), pos)
     return pos
 
 
@@ -188,20 +192,24 @@ def _finish(
         qtab = tl.load(job + J_QTAB).to(tl.pointer_type(tl.float32), bitcast=True)
         live = amax > 0.0
         x = tl.where(live, tl.math.div_rn(m, tl.where(live, amax, 1.0)), 0.0)
-        k = _count(qtab + Q_MID, x, False)  # nearest: #{mid_j < x}, ties down
-        if tl.load(job + J_CODE_SR) != 0:
+        skip = tl.where(bits == 4, 4, 0)
+        if tl.load(job + J_CODE_SR) == 0:
+            k = _count(qtab + Q_MID, x, skip, False)  # nearest: #{mid_j < x}
+        else:
             # code_rounding.searched_index: x's interval i, then up with
             # probability (x - u_i) / d_i, decided by 24 bits of the code hash
             key = tl.load(job + J_CODE_KEY)
             bits24 = _hash(e + tl.load(job + J_INDEX0), key) >> 8
             r = bits24.to(tl.float32) * 5.9604644775390625e-08  # 2**-24
             nuniq = tl.load(job + J_NUNIQ).to(tl.int32)
-            below = _count(qtab + Q_UP, x, True)
+            below = _count(qtab + Q_UP, x, skip, True)
             i = tl.minimum(below, nuniq - 2)
             u_i = tl.load(qtab + Q_UNIQ + i, mask=ok, other=0.0)
             u_up = tl.load(qtab + Q_UNIQ + i + 1, mask=ok, other=0.0)
             up = (below < nuniq - 1) & ((x - u_i) > (r * (u_up - u_i)))
-            k = tl.where(live, below + up.to(tl.int32), k)
+            # an all-zero block keeps the code nearest 0, as nearest rounding does
+            zero = tl.load(job + J_ZERO).to(tl.int32)
+            k = tl.where(live, below + up.to(tl.int32), zero)
         code = tl.load(qtab + Q_FIRST + k, mask=ok, other=0.0).to(tl.int32)
         codes = mptr.to(tl.pointer_type(tl.uint8), bitcast=True)
         if tl.load(job + J_PACKED) != 0:
@@ -275,7 +283,7 @@ def _fp16_stochastic(p, nearest, rbits):
 
 
 @triton.jit
-def _den(job, hyp, e, ok, in_a, den_a, den_b):
+def _den(job, hyp, e, ok, origin, in_a, den_a, den_b):
     """The update's denominators of elements ``e``: their block's, their own
     ``sqrt(v) / sqrt(bc2) + eps``, or a factored ``a[i] * b[j] + eps``."""
     vkind = tl.load(job + J_VKIND)
@@ -287,11 +295,16 @@ def _den(job, hyp, e, ok, in_a, den_a, den_b):
         v = tl.load(vptr + e, mask=ok, other=1.0)
         den = tl.math.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
     elif vkind == V_FACTORED:
+        # row and column of each element, in int32 from the tile's first one
+        # (a 64-bit division per element costs more than the rest of the den)
         cols = tl.load(job + J_COLS)
+        row0 = origin // cols
+        col = (origin % cols).to(tl.int32) + (e - origin).to(tl.int32)
+        cols32 = cols.to(tl.int32)
         a = tl.load(job + J_A).to(tl.pointer_type(tl.float32), bitcast=True)
         b = tl.load(job + J_B).to(tl.pointer_type(tl.float32), bitcast=True)
-        ai = tl.load(a + e // cols, mask=ok, other=1.0)
-        bj = tl.load(b + e % cols, mask=ok, other=1.0)
+        ai = tl.load(a + row0 + col // cols32, mask=ok, other=1.0)
+        bj = tl.load(b + col % cols32, mask=ok, other=1.0)
         den = ai * bj + eps
     return den
 
@@ -307,13 +320,13 @@ def _element_v(job, hyp, e, ok, g, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _block_den(job, hyp, block_index, total, length, EXACT: tl.constexpr):
-    """Advances a block's v from its sum of g^2 (float64) and returns its
-    denominator sqrt(v) / sqrt(bc2) + eps (1.0 for other kinds)."""
+def _block_den(job, hyp, block_index, old, total, length, EXACT: tl.constexpr):
+    """Advances a block's v (``old``, read before the program's first barrier)
+    from its sum of g^2 (float64) and returns its denominator
+    sqrt(v) / sqrt(bc2) + eps (1.0 for other kinds)."""
     blocks = tl.load(job + J_VKIND) == V_BLOCKS
     vptr = tl.load(job + J_V).to(tl.pointer_type(tl.float32), bitcast=True)
     mean = (total / length.to(tl.float64)).to(tl.float32)
-    old = tl.load(vptr + block_index, mask=blocks, other=0.0)
     v = _fma(tl.load(hyp + 2), mean, old * tl.load(hyp + 1), EXACT)
     tl.store(vptr + block_index, v, mask=blocks)
     den = tl.math.div_rn(tl.sqrt_rn(v), tl.load(hyp + 5)) + tl.load(hyp + 6)
@@ -349,9 +362,16 @@ def gefen_step_kernel(
     has_b = split < uend
     b_b = tl.where(has_b, b_a + 1, b_a)
     absmax = tl.load(job + J_ABSMAX).to(tl.pointer_type(tl.float32), bitcast=True)
+    # Every warp reads the unit's scalars of state (old absmax, a block's v)
+    # here, before the barrier that precedes their stores: no warp may read a
+    # value another has already replaced.
     quantized = bits != 0
     old_a = tl.load(absmax + b_a, mask=quantized, other=0.0)
     old_b = tl.load(absmax + b_b, mask=quantized, other=0.0)
+    blocks = tl.load(job + J_VKIND) == V_BLOCKS
+    vptr = tl.load(job + J_V).to(tl.pointer_type(tl.float32), bitcast=True)
+    v_a = tl.load(vptr + b_a, mask=blocks, other=0.0)
+    v_b = tl.load(vptr + b_b, mask=blocks, other=0.0)
     lanes = tl.arange(0, TILE).to(tl.int64)
     if uend - ustart <= TILE:  # one pass, the momentum in registers
         e = ustart + lanes
@@ -365,15 +385,16 @@ def gefen_step_kernel(
         am = tl.where(ok, tl.abs(m), 0.0)
         amax_a = tl.max(tl.where(in_a, am, 0.0))
         amax_b = tl.max(tl.where(in_a, 0.0, am))
-        den_a = _block_den(job, hyp, b_a, sum_a, split - ustart, EXACT)
+        tl.debug_barrier()
+        den_a = _block_den(job, hyp, b_a, v_a, sum_a, split - ustart, EXACT)
         den_b = den_a
         if has_b:
-            den_b = _block_den(job, hyp, b_b, sum_b, uend - split, EXACT)
+            den_b = _block_den(job, hyp, b_b, v_b, sum_b, uend - split, EXACT)
         if bits != 0:
             tl.store(absmax + b_a, amax_a)
             if has_b:
                 tl.store(absmax + b_b, amax_b)
-        den = _den(job, hyp, e, ok, in_a, den_a, den_b)
+        den = _den(job, hyp, e, ok, ustart, in_a, den_a, den_b)
         amax = tl.where(in_a, amax_a, amax_b)
         _finish(job, hyp, e, ok, m, amax, den, ustart, TILE, P_DTYPE)
     else:  # pass 1: statistics; pass 2: codes and update, m recomputed
@@ -397,10 +418,11 @@ def gefen_step_kernel(
             amax_a = tl.maximum(amax_a, tl.max(tl.where(in_a, am, 0.0)))
             amax_b = tl.maximum(amax_b, tl.max(tl.where(in_a, 0.0, am)))
             origin += TILE
-        den_a = _block_den(job, hyp, b_a, sum_a, split - ustart, EXACT)
+        tl.debug_barrier()
+        den_a = _block_den(job, hyp, b_a, v_a, sum_a, split - ustart, EXACT)
         den_b = den_a
         if has_b:
-            den_b = _block_den(job, hyp, b_b, sum_b, uend - split, EXACT)
+            den_b = _block_den(job, hyp, b_b, v_b, sum_b, uend - split, EXACT)
         if bits != 0:
             tl.store(absmax + b_a, amax_a)
             if has_b:
@@ -413,7 +435,7 @@ def gefen_step_kernel(
             g, m = _momentum(
                 job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE
             )
-            den = _den(job, hyp, e, ok, in_a, den_a, den_b)
+            den = _den(job, hyp, e, ok, origin, in_a, den_a, den_b)
             amax = tl.where(in_a, amax_a, amax_b)
             _finish(job, hyp, e, ok, m, amax, den, origin, TILE, P_DTYPE)
             origin += TILE

@@ -311,7 +311,10 @@ def _job_row(j: Job, f: _Factored | None, device: torch.device, k) -> list[int]:
         row[k.J_M] = j.state["exp_avg_codes"].data_ptr()
         row[k.J_ABSMAX] = j.state["exp_avg_absmax"].data_ptr()
         row[k.J_QTAB] = _device_table(codebook, device, k).data_ptr()
-        row[k.J_NUNIQ] = quant_table(codebook).uniq.numel()
+        table = quant_table(codebook)
+        row[k.J_NUNIQ] = table.uniq.numel()
+        # the value index nearest 0 (ties down): #{midpoints < 0}
+        row[k.J_ZERO] = int((table.mid < 0).sum())
     else:
         row[k.J_M] = j.state["exp_avg"].data_ptr()
     if f is not None:
