@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_rounding import _hash, _to_bf16, _to_fp16
+
 # Kernels may read module globals only as constexpr (ints to the host side).
 _c = tl.constexpr
 
@@ -95,27 +97,6 @@ def _fma(a, b, c, EXACT: tl.constexpr):
     else:
         out = tl.fma(a, b, c)
     return out
-
-
-@triton.jit
-def _fmix32(x):
-    """MurmurHash3's 32-bit finalizer (precision.py, gefen_io.h)."""
-    x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _hash(i, key):
-    """32 random bits of global element indices ``i`` (int64) on the 64-bit
-    ``key`` (int64 bits): precision.random_bits, bit for bit."""
-    k_lo = (key & 0xFFFFFFFF).to(tl.uint32)
-    k_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    lo = (i & 0xFFFFFFFF).to(tl.uint32)
-    hi = ((i >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    return _fmix32(lo ^ k_lo ^ _fmix32(hi ^ k_hi))
 
 
 @triton.jit
@@ -232,54 +213,17 @@ def _finish(
     step = tl.where(bound < step, bound, step)
     step = tl.where(-bound > step, -bound, step)
     p = w - step
-    if P_DTYPE == tl.bfloat16:
-        # gefen_io.h's conversions on the fp32 bits: nearest even (NaN quiet), or
-        # stochastic: away from zero iff the top 16 random bits < the low 16 bits
-        u = p.to(tl.uint32, bitcast=True)
-        mag = u & 0x7FFFFFFF
-        nearest = tl.where(
-            mag > 0x7F800000, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        )
-        out = nearest
-        if tl.load(job + J_PARAM_SR) != 0:
-            rbits = _hash(e + tl.load(job + J_INDEX0), tl.load(job + J_ROUND_KEY))
-            a = mag >> 16
-            away = (a < 0x7F7F) & ((rbits >> 16) < (mag & 0xFFFF))
-            sr = ((u >> 16) & 0x8000) | (a + away.to(tl.uint32))
-            out = tl.where(mag >= 0x7F800000, nearest, sr)
-        tl.store(param + e, out.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=ok)
-    elif P_DTYPE == tl.float16:
-        out = p.to(tl.float16)  # nearest even
-        if tl.load(job + J_PARAM_SR) != 0:
-            rbits = _hash(e + tl.load(job + J_INDEX0), tl.load(job + J_ROUND_KEY))
-            out = _fp16_stochastic(p, out, rbits)
-        tl.store(param + e, out, mask=ok)
-    else:
+    if P_DTYPE == tl.float32:
         tl.store(param + e, p, mask=ok)
-
-
-@triton.jit
-def _fp16_stochastic(p, nearest, rbits):
-    """precision.stochastic_round to fp16, bit for bit: a = the fp16 value
-    nearest ``p`` toward zero, b the next; b iff the 32 random bits are below
-    floor((|p| - a) / (b - a) * 2^32), exact in fp32 (|p| - a by Sterbenz's lemma,
-    b - a a power of two); saturating at the largest finite value."""
-    mag = nearest.to(tl.uint16, bitcast=True).to(tl.uint32) & 0x7FFF
-    ax = tl.abs(p)
-    above = tl.abs(nearest.to(tl.float32)) > ax
-    # at or past the largest finite value (65504, bits 0x7BFF) the result is a:
-    # clamped, so no lane computes inf - inf
-    a_bits = tl.minimum(tl.where(above, mag - 1, mag), 0x7BFF)
-    top = a_bits >= 0x7BFF
-    a = a_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    b_bits = tl.minimum(a_bits + 1, 0x7BFF)
-    b = b_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    frac = tl.math.div_rn(ax - a, tl.where(top, 1.0, b - a))
-    threshold = tl.where(top, 0.0, frac * 4294967296.0).to(tl.int64)
-    away = rbits.to(tl.int64) < threshold
-    bits = tl.where(away, a_bits + 1, a_bits) | ((p < 0).to(tl.uint32) << 15)
-    out = bits.to(tl.uint16).to(tl.float16, bitcast=True)
-    return tl.where(ax < float("inf"), out, nearest)  # NaN, inf: as nearest
+    else:  # rounded to nearest, or stochastically (precision.py's bits)
+        sr = tl.load(job + J_PARAM_SR) != 0
+        rbits = tl.zeros(e.shape, dtype=tl.uint32)
+        if sr:
+            rbits = _hash(e + tl.load(job + J_INDEX0), tl.load(job + J_ROUND_KEY))
+        if P_DTYPE == tl.bfloat16:
+            tl.store(param + e, _to_bf16(p, sr, rbits), mask=ok)
+        else:
+            tl.store(param + e, _to_fp16(p, sr, rbits), mask=ok)
 
 
 @triton.jit
@@ -334,6 +278,51 @@ def _block_den(job, hyp, block_index, old, total, length, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _stats(g, m, ok, in_a):
+    """A tile's float64 sums of g^2 and max |m| over the unit's blocks a and b."""
+    g2 = tl.where(ok, g * g, 0.0).to(tl.float64)
+    am = tl.where(ok, tl.abs(m), 0.0)
+    return (
+        tl.sum(tl.where(in_a, g2, 0.0)),
+        tl.sum(tl.where(in_a, 0.0, g2)),
+        tl.max(tl.where(in_a, am, 0.0)),
+        tl.max(tl.where(in_a, 0.0, am)),
+    )
+
+
+@triton.jit
+def _close_blocks(
+    job,
+    hyp,
+    b_a,
+    b_b,
+    has_b,
+    v_a,
+    v_b,
+    sum_a,
+    sum_b,
+    amax_a,
+    amax_b,
+    len_a,
+    len_b,
+    EXACT: tl.constexpr,
+):
+    """After a unit's statistics: its blocks' v and absmax stored (after a barrier:
+    every warp has read the old ones) and their denominators returned."""
+    tl.debug_barrier()
+    den_a = _block_den(job, hyp, b_a, v_a, sum_a, len_a, EXACT)
+    den_b = den_a
+    if has_b:
+        den_b = _block_den(job, hyp, b_b, v_b, sum_b, len_b, EXACT)
+    if tl.load(job + J_BITS) != 0:
+        absmax = tl.load(job + J_ABSMAX).to(tl.pointer_type(tl.float32), bitcast=True)
+        tl.store(absmax + b_a, amax_a)
+        if has_b:
+            tl.store(absmax + b_b, amax_b)
+    return den_a, den_b
+
+
+@triton.jit
 def gefen_step_kernel(
     jobs,
     hypers,
@@ -379,21 +368,23 @@ def gefen_step_kernel(
         in_a = e < split
         g, m = _momentum(job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE)
         _element_v(job, hyp, e, ok, g, EXACT)
-        g2 = tl.where(ok, g * g, 0.0).to(tl.float64)
-        sum_a = tl.sum(tl.where(in_a, g2, 0.0))
-        sum_b = tl.sum(tl.where(in_a, 0.0, g2))
-        am = tl.where(ok, tl.abs(m), 0.0)
-        amax_a = tl.max(tl.where(in_a, am, 0.0))
-        amax_b = tl.max(tl.where(in_a, 0.0, am))
-        tl.debug_barrier()
-        den_a = _block_den(job, hyp, b_a, v_a, sum_a, split - ustart, EXACT)
-        den_b = den_a
-        if has_b:
-            den_b = _block_den(job, hyp, b_b, v_b, sum_b, uend - split, EXACT)
-        if bits != 0:
-            tl.store(absmax + b_a, amax_a)
-            if has_b:
-                tl.store(absmax + b_b, amax_b)
+        sum_a, sum_b, amax_a, amax_b = _stats(g, m, ok, in_a)
+        den_a, den_b = _close_blocks(
+            job,
+            hyp,
+            b_a,
+            b_b,
+            has_b,
+            v_a,
+            v_b,
+            sum_a,
+            sum_b,
+            amax_a,
+            amax_b,
+            split - ustart,
+            uend - split,
+            EXACT,
+        )
         den = _den(job, hyp, e, ok, ustart, in_a, den_a, den_b)
         amax = tl.where(in_a, amax_a, amax_b)
         _finish(job, hyp, e, ok, m, amax, den, ustart, TILE, P_DTYPE)
@@ -407,34 +398,38 @@ def gefen_step_kernel(
             e = origin + lanes
             ok = e < uend
             in_a = e < split
-            g, m = _momentum(
-                job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE
-            )
+            old = tl.where(in_a, old_a, old_b)
+            g, m = _momentum(job, hyp, e, ok, old, EXACT, G_DTYPE)
             _element_v(job, hyp, e, ok, g, EXACT)
-            g2 = tl.where(ok, g * g, 0.0).to(tl.float64)
-            sum_a += tl.sum(tl.where(in_a, g2, 0.0))
-            sum_b += tl.sum(tl.where(in_a, 0.0, g2))
-            am = tl.where(ok, tl.abs(m), 0.0)
-            amax_a = tl.maximum(amax_a, tl.max(tl.where(in_a, am, 0.0)))
-            amax_b = tl.maximum(amax_b, tl.max(tl.where(in_a, 0.0, am)))
+            s_a, s_b, m_a, m_b = _stats(g, m, ok, in_a)
+            sum_a += s_a
+            sum_b += s_b
+            amax_a = tl.maximum(amax_a, m_a)
+            amax_b = tl.maximum(amax_b, m_b)
             origin += TILE
-        tl.debug_barrier()
-        den_a = _block_den(job, hyp, b_a, v_a, sum_a, split - ustart, EXACT)
-        den_b = den_a
-        if has_b:
-            den_b = _block_den(job, hyp, b_b, v_b, sum_b, uend - split, EXACT)
-        if bits != 0:
-            tl.store(absmax + b_a, amax_a)
-            if has_b:
-                tl.store(absmax + b_b, amax_b)
+        den_a, den_b = _close_blocks(
+            job,
+            hyp,
+            b_a,
+            b_b,
+            has_b,
+            v_a,
+            v_b,
+            sum_a,
+            sum_b,
+            amax_a,
+            amax_b,
+            split - ustart,
+            uend - split,
+            EXACT,
+        )
         origin = ustart
         while origin < uend:
             e = origin + lanes
             ok = e < uend
             in_a = e < split
-            g, m = _momentum(
-                job, hyp, e, ok, tl.where(in_a, old_a, old_b), EXACT, G_DTYPE
-            )
+            old = tl.where(in_a, old_a, old_b)
+            g, m = _momentum(job, hyp, e, ok, old, EXACT, G_DTYPE)
             den = _den(job, hyp, e, ok, origin, in_a, den_a, den_b)
             amax = tl.where(in_a, amax_a, amax_b)
             _finish(job, hyp, e, ok, m, amax, den, origin, TILE, P_DTYPE)
