@@ -346,6 +346,38 @@ def test_strided_parameters_step_as_contiguous_twins(monkeypatch):
     assert_parity(state, ref, param, p_ref, 1200, ties=1)
 
 
+_WITHOUT_TRITON = """
+import sys
+
+class Block:  # triton not installed
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("no triton here")
+
+sys.meta_path.insert(0, Block())
+import torch
+from leantrain.optim import Gefen, _triton_step
+
+assert not _triton_step.available()
+model = torch.nn.Linear(8, 4)
+opt = Gefen(model.parameters(), lr=1e-2)
+for _ in range(2):
+    opt.zero_grad()
+    model(torch.randn(16, 8)).square().mean().backward()
+    opt.step()
+state = opt.state[model.weight]
+print(_triton_step.problem(model.weight, model.weight.grad, state, False))
+"""
+
+
+def test_the_library_works_without_triton():
+    """triton is optional: leantrain imports and Gefen steps on the CPU without
+    it, and the Triton step names the reason it cannot run."""
+    done = _python(_WITHOUT_TRITON)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "an environment without triton" in done.stdout
+
+
 def test_uncovered_options_are_named():
     """What the Triton step does not cover yet is named (the fallback keeps it)."""
     p = torch.randn(8, 4)
@@ -411,6 +443,45 @@ def test_cuda_many_parameters_in_four_launches():
     many_case("cuda")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_gefen_trains_as_on_the_cpu(bits, monkeypatch):
+    """Gefen on a CUDA model (its defaults for ``bits``) takes the Triton step
+    and follows the CPU run (C kernel) step by step: losses to fp32 rounding over
+    a few steps (a code flipped at a tie may part the two runs slowly)."""
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)
+    )
+    gpu = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)
+    ).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x, y = torch.randn(128, 64), torch.randn(128, 10)
+    opts = [Gefen(m.parameters(), lr=1e-3, momentum_bits=bits) for m in (cpu, gpu)]
+    seen = []
+    real = _triton_step.launch
+
+    def counting(jobs):
+        seen.append(real(jobs))
+        return seen[-1]
+
+    monkeypatch.setattr(_triton_step, "launch", counting)
+    for _ in range(5):
+        losses = []
+        for m, opt in zip((cpu, gpu), opts, strict=True):
+            device = next(m.parameters()).device
+            opt.zero_grad()
+            loss = (m(x.to(device)) - y.to(device)).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    factored = any("factored" in st for st in opts[1].state.values())
+    assert seen == [4 if factored else 1] * 5
+
+
 _COMPILE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -446,19 +517,25 @@ def test_kernels_compile_for_cuda():
     still not compile (a global that is not constexpr, a type the compiler
     rejects). Compiling for an H100 (sm_90) needs no GPU, only triton's CUDA
     backend: done in a subprocess without ``TRITON_INTERPRET``."""
+    pytest.importorskip("triton.backends.nvidia")
+    done = _python(_COMPILE)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def _python(code: str):
+    """Runs ``code`` in a fresh interpreter with this checkout importable and
+    without TRITON_INTERPRET (triton compiles there)."""
     import os
     import subprocess
     import sys
 
-    pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE],
+    return subprocess.run(
+        [sys.executable, "-c", code],
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
