@@ -22,12 +22,13 @@ parameter's device.
 **Launches per step:** one main launch per (parameter dtype, gradient dtype)
 pair among the jobs (one for a model of one dtype), plus three when any job has
 a factored second moment (its row and column sums, then the factors: see
-``_triton_kernels``), so the 8-bit and 4-bit defaults (which factor matrices)
-take 4 launches, blocks alone 1, whatever the number of parameters. Two small
+``_triton_factored``), so the 8-bit and 4-bit defaults (which factor matrices)
+take 4 launches, blocks alone 1, whatever the number of parameters. A few small
 host-to-device copies carry the job tables (non-blocking, from pinned memory);
-nothing waits for the device. The tables are rebuilt every step in Python (about
-a dozen scalars per parameter): cheap next to a step's other per-parameter
-bookkeeping in ``Gefen.step``, but not free; caching them is future work.
+nothing waits for the device. The tables are rebuilt every step in
+Python (about 20 ints per parameter: ~1 ms for GPT-2 small's 148 tensors on a
+slow shared CPU core), as is the rest of ``Gefen.step``'s per-parameter
+bookkeeping; a cached plan, as the C kernel's ``_fused_plan``, is future work.
 
 **Without a GPU:** with ``TRITON_INTERPRET=1`` set before triton is first
 imported, CPU tensors run the same kernels through Triton's interpreter, which is
@@ -152,37 +153,61 @@ def job(
     return Job(param, grad, state, layout, hyper, stochastic, key, code_key, index0)
 
 
-# The codebooks' device tables: (id, device) -> (weak ref, version, table).
-_tables: dict[tuple[int, str], tuple[weakref.ref, int, Tensor]] = {}
+# The codebooks' device tables: (id, device) -> (weak ref, version, _Codebook).
+_tables: dict[tuple[int, str], tuple] = {}
 
 
-def _device_table(codebook: Tensor, device: torch.device, k) -> Tensor:
-    """The quantizer table of ``codebook`` on ``device`` (``k``: the kernels
-    module, for the layout), built once per codebook version."""
+@dataclass(frozen=True)
+class _Codebook:
+    """A codebook's quantizer table on one device and the scalars jobs need."""
+
+    table: Tensor  # fp32 [Q_SIZE], the kernels' Q_* layout
+    nuniq: int  # distinct values
+    zero: int  # the value index nearest 0 (ties down): #{midpoints < 0}
+
+
+def _device_table(codebook: Tensor, device: torch.device) -> _Codebook:
+    """The quantizer table of ``codebook`` on ``device``, built once per codebook
+    version (``_quant_table`` builds it on the host)."""
     entry = _tables.get((id(codebook), str(device)))
     if entry is not None and entry[0]() is codebook and entry[1] == codebook._version:
         return entry[2]
-    t = quant_table(codebook)
+    t, q = quant_table(codebook), _ints()
     u = t.uniq.numel()
-    cb, mid, up, uniq, first = (
-        int(x) for x in (k.Q_CB, k.Q_MID, k.Q_UP, k.Q_UNIQ, k.Q_FIRST)
-    )
-    table = torch.full((int(k.Q_SIZE),), math.inf, dtype=torch.float32)
-    table[cb : cb + t.codebook.numel()] = t.codebook
-    table[mid : mid + u - 1] = t.mid[: u - 1]
-    table[up : up + u - 1] = t.uniq[1:]
-    table[uniq : uniq + u] = t.uniq
-    table[first:] = 0.0
-    table[first : first + u] = t.first.float()
-    table = table.to(device)
+    table = torch.full((q.Q_SIZE,), math.inf, dtype=torch.float32)
+    table[q.Q_CB : q.Q_CB + t.codebook.numel()] = t.codebook
+    table[q.Q_MID : q.Q_MID + u - 1] = t.mid[: u - 1]
+    table[q.Q_UP : q.Q_UP + u - 1] = t.uniq[1:]
+    table[q.Q_UNIQ : q.Q_UNIQ + u] = t.uniq
+    table[q.Q_FIRST :] = 0.0
+    table[q.Q_FIRST : q.Q_FIRST + u] = t.first.float()
+    out = _Codebook(table.to(device), u, int((t.mid < 0).sum()))
     if len(_tables) >= 16:
         _tables.clear()
-    _tables[id(codebook), str(device)] = (
-        weakref.ref(codebook),
-        codebook._version,
-        table,
-    )
-    return table
+    _tables[id(codebook), str(device)] = (weakref.ref(codebook), codebook._version, out)
+    return out
+
+
+_INTS = None
+
+
+def _ints():
+    """The kernels' table columns and kinds (constexpr there) as plain ints."""
+    global _INTS
+    if _INTS is None:
+        import triton.language as tl
+
+        values = {**vars(_factored), **vars(_compiled)}
+        _INTS = type(
+            "Columns",
+            (),
+            {
+                name: int(v.value)
+                for name, v in values.items()
+                if isinstance(v, tl.constexpr) and isinstance(v.value, int)
+            },
+        )
+    return _INTS
 
 
 def _signed(key: int) -> int:
@@ -242,7 +267,7 @@ class _Factored:
     cpart: int  # [nct]
 
 
-def _factored_layout(jobs: list[Job], device: torch.device, cols_tile: int, k):
+def _factored_layout(jobs: list[Job], device: torch.device, cols_tile: int):
     """The factored jobs' scratch (returned, to keep it alive) and layouts."""
     shapes, f32_size, f64_size = [], 0, 0
     for slot, j in enumerate(jobs):
@@ -284,8 +309,8 @@ def _factored_layout(jobs: list[Job], device: torch.device, cols_tile: int, k):
 
 def _factor_row(f: _Factored, j: Job) -> list[int]:
     """One factored job's row of its int64 table (``_triton_factored``'s F_*)."""
-    k = _factored
-    row = [0] * int(k.FACTOR_FIELDS)
+    k = _ints()
+    row = [0] * k.FACTOR_FIELDS
     row[k.F_GRAD], row[k.F_V] = j.grad.data_ptr(), j.state["exp_avg_sq"].data_ptr()
     row[k.F_ROWS], row[k.F_COLS], row[k.F_A], row[k.F_B] = f.rows, f.cols, f.a, f.b
     row[k.F_COLPART], row[k.F_ROWPART], row[k.F_CPART] = f.colpart, f.rowpart, f.cpart
@@ -294,43 +319,37 @@ def _factor_row(f: _Factored, j: Job) -> list[int]:
     return row
 
 
-def _job_row(j: Job, f: _Factored | None, device: torch.device, k) -> list[int]:
+def _job_row(j: Job, f: _Factored | None, device: torch.device) -> list[int]:
     """One job's row of the int64 table (the kernels' J_* columns)."""
+    q = _ints()
     period, block, bits = j.layout
     packed = bits == 4 and packed_codes(j.param, j.state)
-    row = [0] * int(k.JOB_FIELDS)
-    row[k.J_PARAM], row[k.J_GRAD] = j.param.data_ptr(), j.grad.data_ptr()
-    row[k.J_V] = j.state["exp_avg_sq"].data_ptr()
-    row[k.J_N], row[k.J_BLOCK], row[k.J_BITS] = j.param.numel(), block, bits
+    row = [0] * q.JOB_FIELDS
+    row[q.J_PARAM], row[q.J_GRAD] = j.param.data_ptr(), j.grad.data_ptr()
+    row[q.J_V] = j.state["exp_avg_sq"].data_ptr()
+    row[q.J_N], row[q.J_BLOCK], row[q.J_BITS] = j.param.numel(), block, bits
     # 4-bit codes of an odd block share a byte with the next block: a program
     # takes two blocks, so one program writes that byte
-    row[k.J_UNIT] = 2 if packed and block % 2 else 1
-    row[k.J_PACKED] = int(packed)
+    row[q.J_UNIT] = 2 if packed and block % 2 else 1
+    row[q.J_PACKED] = int(packed)
     if bits:
-        codebook = j.state["codebook"]
-        row[k.J_M] = j.state["exp_avg_codes"].data_ptr()
-        row[k.J_ABSMAX] = j.state["exp_avg_absmax"].data_ptr()
-        row[k.J_QTAB] = _device_table(codebook, device, k).data_ptr()
-        table = quant_table(codebook)
-        row[k.J_NUNIQ] = table.uniq.numel()
-        # the value index nearest 0 (ties down): #{midpoints < 0}
-        row[k.J_ZERO] = int((table.mid < 0).sum())
+        codebook = _device_table(j.state["codebook"], device)
+        row[q.J_M] = j.state["exp_avg_codes"].data_ptr()
+        row[q.J_ABSMAX] = j.state["exp_avg_absmax"].data_ptr()
+        row[q.J_QTAB] = codebook.table.data_ptr()
+        row[q.J_NUNIQ], row[q.J_ZERO] = codebook.nuniq, codebook.zero
     else:
-        row[k.J_M] = j.state["exp_avg"].data_ptr()
+        row[q.J_M] = j.state["exp_avg"].data_ptr()
     if f is not None:
-        row[k.J_VKIND], row[k.J_A], row[k.J_B], row[k.J_COLS] = (
-            int(k.V_FACTORED),
-            f.a,
-            f.b,
-            f.cols,
-        )
+        row[q.J_VKIND], row[q.J_COLS] = q.V_FACTORED, f.cols
+        row[q.J_A], row[q.J_B] = f.a, f.b
     else:
-        row[k.J_VKIND] = int(k.V_ELEMENT if period == 1 else k.V_BLOCKS)
-    row[k.J_INDEX0] = j.index0
-    row[k.J_CODE_SR] = int(j.code_key is not None and bits != 0)
-    row[k.J_CODE_KEY] = _signed(j.code_key or 0)
-    row[k.J_PARAM_SR] = int(j.stochastic and j.param.dtype != torch.float32)
-    row[k.J_ROUND_KEY] = _signed(j.key)
+        row[q.J_VKIND] = q.V_ELEMENT if period == 1 else q.V_BLOCKS
+    row[q.J_INDEX0] = j.index0
+    row[q.J_CODE_SR] = int(j.code_key is not None and bits != 0)
+    row[q.J_CODE_KEY] = _signed(j.code_key or 0)
+    row[q.J_PARAM_SR] = int(j.stochastic and j.param.dtype != torch.float32)
+    row[q.J_ROUND_KEY] = _signed(j.key)
     return row
 
 
@@ -353,14 +372,16 @@ def launch(jobs: list[Job]) -> int:
             raise ValueError(
                 f"one launch takes tensors of one device: {j.param.device} and {device}"
             )
-    k = _compiled
     if device.type == "cuda":
         with torch.cuda.device(device):  # triton launches on the current device
-            return _launch(jobs, device, k, {"enable_fp_fusion": False})
-    return _launch(jobs, device, k, {})
+            return _launch(jobs, device, {"enable_fp_fusion": False})
+    return _launch(jobs, device, {})
 
 
-def _launch(jobs: list[Job], device: torch.device, k, opts: dict) -> int:
+def _launch(jobs: list[Job], device: torch.device, opts: dict) -> int:
+    """:func:`launch`'s work: the tables, the scratch, the kernels (``opts``:
+    their compile options)."""
+    k = _compiled
     exact = device.type == "cpu"  # the interpreter's tl.fma rounds twice
     # rows of one (grad dtype, param dtype) pair are contiguous: one launch each
     jobs = sorted(jobs, key=lambda j: (str(j.grad.dtype), str(j.param.dtype)))
@@ -376,16 +397,17 @@ def _launch(jobs: list[Job], device: torch.device, k, opts: dict) -> int:
         16,
         256,
     )
-    scratch, factored = _factored_layout(jobs, device, cols_tile, k)
+    scratch, factored = _factored_layout(jobs, device, cols_tile)
     of_slot = {f.slot: f for f in factored}
-    table = [_job_row(j, of_slot.get(i), device, k) for i, j in enumerate(jobs)]
+    table = [_job_row(j, of_slot.get(i), device) for i, j in enumerate(jobs)]
     hypers = [[j.hyper[f] for f in k.HYPER_FIELDS] for j in jobs]
-    units = [math.ceil(r[k.J_N] / (r[k.J_UNIT] * r[k.J_BLOCK])) for r in table]
+    q = _ints()
+    units = [math.ceil(r[q.J_N] / (r[q.J_UNIT] * r[q.J_BLOCK])) for r in table]
     jobs_t = _upload(table, torch.int64, device)
     hyper_t = _upload(hypers, torch.float32, device)
     count = 0
     if factored:
-        count += _launch_factored(jobs, factored, hyper_t, cols_tile, device, k, opts)
+        count += _launch_factored(jobs, factored, hyper_t, cols_tile, device, opts)
     lo = 0
     while lo < len(jobs):
         pair = (jobs[lo].grad.dtype, jobs[lo].param.dtype)
@@ -393,7 +415,7 @@ def _launch(jobs: list[Job], device: torch.device, k, opts: dict) -> int:
         while hi < len(jobs) and (jobs[hi].grad.dtype, jobs[hi].param.dtype) == pair:
             hi += 1
         # a tile holds the longest unit, up to _MAX_TILE (longer: two passes)
-        longest = max(min(r[k.J_UNIT] * r[k.J_BLOCK], r[k.J_N]) for r in table[lo:hi])
+        longest = max(min(r[q.J_UNIT] * r[q.J_BLOCK], r[q.J_N]) for r in table[lo:hi])
         k.gefen_step_kernel[(sum(units[lo:hi]),)](
             jobs_t[lo:hi],
             hyper_t[lo:hi],
@@ -412,7 +434,7 @@ def _launch(jobs: list[Job], device: torch.device, k, opts: dict) -> int:
     return count
 
 
-def _launch_factored(jobs, factored, hyper_t, cols_tile, device, k, opts) -> int:
+def _launch_factored(jobs, factored, hyper_t, cols_tile, device, opts) -> int:
     """The three launches that advance the factored jobs' factors and leave this
     step's ``a`` and ``b`` in scratch; returns 3 (the row sums go once per
     gradient dtype, so more with mixed gradient dtypes)."""
