@@ -354,28 +354,26 @@ def _job_row(j: Job, f: _Factored | None, device: torch.device) -> list[int]:
 
 
 def launch(jobs: list[Job]) -> int:
-    """One Gefen step of every job, on the device of their tensors (CPU tensors
-    run through the interpreter). Returns the number of kernel launches: one per
-    (gradient dtype, parameter dtype) pair, plus three with factored jobs.
+    """One Gefen step of every job, on the device of its tensors (CPU tensors run
+    through the interpreter). Returns the number of kernel launches: per device,
+    one per (gradient dtype, parameter dtype) pair, plus three with factored jobs.
 
     Raises:
-        ValueError: jobs on different devices.
         RuntimeError: triton is not installed.
     """
-    if not jobs:
-        return 0
-    if _compiled is None:
+    if jobs and _compiled is None:
         raise RuntimeError("Gefen's Triton step needs triton: pip install triton")
-    device = jobs[0].param.device
+    by_device: dict[torch.device, list[Job]] = {}
     for j in jobs:
-        if j.param.device != device:
-            raise ValueError(
-                f"one launch takes tensors of one device: {j.param.device} and {device}"
-            )
-    if device.type == "cuda":
-        with torch.cuda.device(device):  # triton launches on the current device
-            return _launch(jobs, device, {"enable_fp_fusion": False})
-    return _launch(jobs, device, {})
+        by_device.setdefault(j.param.device, []).append(j)
+    count = 0
+    for device, group in by_device.items():
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # triton launches on the current one
+                count += _launch(group, device, {"enable_fp_fusion": False})
+        else:
+            count += _launch(group, device, {})
+    return count
 
 
 def _launch(jobs: list[Job], device: torch.device, opts: dict) -> int:
