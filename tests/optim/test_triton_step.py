@@ -12,10 +12,15 @@ test's ``torch.compile`` imported triton; a subprocess per test would pay a torc
 import each.) On a CUDA machine triton compiles: the CPU cases skip, and the
 ``gpu``-marked tests run the same checks on CUDA at a larger size.
 
+The interpreter runs Python, not Triton's compiler, so one test also compiles
+every kernel for an H100 (sm_90) in a subprocess without the switch (no GPU
+needed), and another checks that leantrain imports and steps without triton.
+
 Comparisons, as for the C kernel (``test_fused.py``): codes equal but for ties
 (a code may flip where m / absmax sits within rounding of a midpoint), parameters
 and second moments to fp32 rounding, stochastic codes and stochastically rounded
-bf16 weights bit for bit the C kernel's.
+bf16 weights bit for bit the C kernel's, stochastically rounded fp16 weights bit
+for bit the PyTorch fallback's (the C kernel takes no fp16).
 """
 
 from __future__ import annotations
