@@ -1,10 +1,21 @@
-"""Shared test settings: deterministic seeds and one intra-op thread.
+"""Shared test settings: deterministic seeds, one intra-op thread, Triton's
+interpreter on machines without CUDA.
 
 The CI machine has two cores; one thread per test process keeps timings stable.
 """
 
+import os
+
 import pytest
 import torch
+
+# Triton's interpreter runs Gefen's GPU kernels on CPU tensors
+# (tests/optim/test_triton_step.py). Triton decides when it is first imported
+# whether its kernels (its own reductions too) are compiled or interpreted, so the
+# switch is set here, before anything imports triton, and only where no CUDA
+# device could compile them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _ABSENT = object()
 

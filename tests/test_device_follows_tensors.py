@@ -118,6 +118,14 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
         "arange",
     ): "moved to the state's device by its caller",
     ("optim/_state.py", "new_state", "tensor"): _HOST_STATE,
+    ("optim/_triton_step.py", "_device_table", "full"): (
+        _CODEBOOK + ", then moved to the parameters' device"
+    ),
+    (
+        "optim/_triton_step.py",
+        "_upload",
+        "tensor",
+    ): "the kernels' job tables, built on the host and copied to the device",
     ("optim/gefen.py", "Gefen._template_step", "tensor"): _HOST_STATE,
     ("optim/factored.py", "_native_means", "empty"): "buffers of the CPU C kernel",
     # layer_parallel

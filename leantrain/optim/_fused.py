@@ -9,10 +9,14 @@ bounded by a chunk, never by the parameter:
   over blocks, one pass over g and the codes per block (see the C file's header;
   the ctypes side is ``_cabi``, and ``_fused_many.step_many`` steps all of a
   step's parameters in one call).
-* **"torch"** — everything else (fp16, CUDA, no compiler,
-  ``LEANTRAIN_NO_NATIVE=1``): the same math in plain tensor ops over chunks of
-  whole blocks (two passes over sub-chunks for a block longer than a chunk). On
-  CUDA the chunk function is ``torch.compile``'d.
+* **"triton"** — CUDA tensors (``_triton_step``: Triton kernels over a table
+  of parameters; ``_fused_many.step_many`` steps all of a step's CUDA parameters
+  in a few launches), for every option but those :func:`gpu_problem` names.
+* **"torch"** — everything else (fp16 on the CPU, no compiler,
+  ``LEANTRAIN_NO_NATIVE=1``, CUDA tensors the Triton step does not cover): the
+  same math in plain tensor ops over chunks of whole blocks (two passes over
+  sub-chunks for a block longer than a chunk). On CUDA the chunk function is
+  ``torch.compile``'d.
 
 Both paths quantize with the same rule, the reference's (``quant.NearestCode``):
 with distinct codebook values :math:`u_0 < \dots < u_{U-1}` and exact midpoints
@@ -30,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import _cabi, _native
+from . import _cabi, _native, _triton_step
 from ._state_layout import state_layout
 from ._step import max_step
 from ._torch_step import torch_step
@@ -93,6 +97,17 @@ def _c_problem(param: Tensor, grad: Tensor, state: dict) -> str | None:
             f"{codes.dtype} on {codes.device}"
         )
     return None
+
+
+def gpu_problem(
+    param: Tensor, grad: Tensor, state: dict, stochastic: bool
+) -> str | None:
+    """Why the Triton step does not take these tensors (None: it does): the one
+    check of the GPU dispatch, for ``fused_step`` and ``_fused_many.step_many``.
+    Only CUDA tensors go there (the CPU has the C kernel or the fallback)."""
+    if not _triton_step.serves(param.device):
+        return f"tensors on {param.device}"
+    return _triton_step.problem(param, grad, state, stochastic)
 
 
 def c_step(
@@ -324,7 +339,25 @@ def fused_step(
             lib=lib,
             checked=True,
         )  # the kernel advances a factored state's factors itself
+    elif (why := gpu_problem(param, grad, state, stochastic)) is None:
+        _triton_step.launch(
+            [
+                _triton_step.job(
+                    param,
+                    grad,
+                    state,
+                    hyper,
+                    layout=layout,
+                    stochastic=stochastic,
+                    key=key,
+                    code_key=ckey,
+                    index0=index0,
+                )
+            ]
+        )  # the kernels advance a factored state's factors themselves
     else:
+        if param.device.type == "cuda":
+            _triton_step.warn_fallback(why)
         cbar = advance_factors(grad, state, beta2)
         torch_step(
             param,

@@ -5,8 +5,11 @@ each costs ~30 µs of Python and a parallel region apiece, ~4 ms per step on a
 117-tensor GPT. :func:`step_many` checks every parameter first, then hands all the
 kernel's parameters to one call, whose threads share out the blocks of all of them
 (``lt_gefen_step_many`` in ``_kernels/gefen_step.c``; its first phase advances a
-factored second moment's factors). Parameters the kernel cannot take (fp16, CUDA,
-no compiler) step one by one through ``fused_step``; a non-contiguous one
+factored second moment's factors). CUDA parameters go to the Triton step
+(``_triton_step``: a few launches for all of them) where ``_fused.gpu_problem``
+finds nothing it does not cover. Parameters neither takes (fp16 on the CPU, no
+compiler, an option the Triton step does not cover yet) step one by one through
+``fused_step``; a non-contiguous one
 (channels_last, a transposed view) steps as a contiguous copy through the kernel.
 The result is that of ``fused_step`` on each parameter (on its contiguous copy)
 in turn, bit for bit. A steady step skips even
@@ -21,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from . import _cabi, _fused, _native
+from . import _cabi, _fused, _native, _triton_step
 from .code_rounding import code_key
 from .precision import rounding_key
 
@@ -158,9 +161,28 @@ def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
     """
     lib = _native.load()
     native: list[tuple[StepItem, tuple[int, int, int], bool, bool, tuple]] = []
+    gpu: list[tuple[StepItem, tuple[int, int, int], bool, bool]] = []
     others: list[StepItem] = []
     strided: list[tuple[Tensor, Tensor]] = []  # (parameter, its contiguous twin)
     for item in items:
+        if _triton_step.serves(item.param.device):
+            if not (item.param.is_contiguous() and item.grad.is_contiguous()):
+                # as for the C kernel: a contiguous twin, written back after
+                twin = replace(
+                    item, param=item.param.contiguous(), grad=item.grad.contiguous()
+                )
+                strided.append((item.param, twin.param))
+                item = twin
+            checked = _checked(item, None, cache)
+            if checked is None:
+                continue
+            layout, stochastic, codes_sr, _ = checked
+            why = _fused.gpu_problem(item.param, item.grad, item.state, stochastic)
+            if why is None:
+                gpu.append((item, layout, stochastic, codes_sr))
+            else:  # fused_step warns and takes the fallback
+                others.append(item)
+            continue
         if lib is not None and _kernel_layout_only(item):
             twin = replace(
                 item, param=item.param.contiguous(), grad=item.grad.contiguous()
@@ -179,10 +201,47 @@ def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
             del cache[stale]
     if native:
         _launch_all(lib, native)
+    if gpu:
+        _launch_gpu(gpu)
     for item in others:
         item.one_step()
     for param, twin in strided:
         param.copy_(twin)
+
+
+def _keys(item: StepItem, step: float, stochastic: bool, codes_sr: bool) -> tuple:
+    """The rounding key and the code key (None: nearest codes) of one step."""
+    key = rounding_key(item.seed, int(step)) if stochastic else 0
+    return key, code_key(item.seed, int(step)) if codes_sr else None
+
+
+def _launch_gpu(gpu: list[tuple[StepItem, tuple[int, int, int], bool, bool]]) -> None:
+    """The Triton step of every checked CUDA item (a few launches in all: see
+    ``_triton_step``); their steps advance after it, as ``_launch_all``'s."""
+    jobs, hypers = [], {}
+    for item, layout, stochastic, codes_sr in gpu:
+        step = float(item.state["step"]) + 1
+        options = tuple(item.options().values())
+        hyper = hypers.get((step, options))
+        if hyper is None:
+            hyper = hypers[step, options] = item.hyper(step)
+        key, ckey = _keys(item, step, stochastic, codes_sr)
+        jobs.append(
+            _triton_step.job(
+                item.param,
+                item.grad,
+                item.state,
+                hyper,
+                layout=layout,
+                stochastic=stochastic,
+                key=key,
+                code_key=ckey,
+                index0=item.index0,
+            )
+        )
+    _triton_step.launch(jobs)
+    for item, *_ in gpu:
+        item.state["step"] += 1
 
 
 def _kernel_layout_only(item: StepItem) -> bool:

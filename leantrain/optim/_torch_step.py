@@ -1,7 +1,8 @@
 """Gefen's step in plain PyTorch over bounded chunks (the fused path's fallback).
 
-Used where the C kernel is not: other dtypes (fp16 parameters or gradients),
-CUDA, non-contiguous tensors, no compiler, ``LEANTRAIN_NO_NATIVE=1``. Same math and
+Used where neither the C kernel nor the Triton step (``_triton_step``, CUDA) is:
+fp16 on the CPU, non-contiguous tensors, no compiler, ``LEANTRAIN_NO_NATIVE=1``, CUDA
+tensors with an option the Triton step does not cover yet. Same math and
 roundings as the kernel (``_kernels/gefen_step.c``) and the reference
 (``_step.reference_step``); temporaries are ~120 bytes per element of one chunk of
 ``TORCH_CHUNK`` elements, whatever the parameter's size. A chunk is a run of
@@ -12,7 +13,8 @@ then quantize and update), recomputing the momentum rather than storing it.
 On CUDA the chunk function is compiled with ``torch.compile`` (Triton).
 
 Why it exists: machines without a C compiler, and tensors the kernel does not take
-(fp16, non-contiguous); compiled, it is also the GPU step (the CUDA chunk).
+(fp16, non-contiguous); compiled, it is the GPU step for what the Triton step
+does not cover yet (and without triton).
 """
 
 from __future__ import annotations

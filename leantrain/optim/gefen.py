@@ -3,7 +3,8 @@
 The class is bookkeeping only (param groups, lazy state, the first-step partition
 and codebook, checkpoints, the non-finite gradient policy); the update itself is the
 pure function ``_step.reference_step``; ``step()`` runs its fused twin
-``_fused.fused_step`` (a C kernel, or chunked PyTorch without a compiler), which a
+``_fused.fused_step`` (a C kernel on the CPU, Triton kernels on CUDA, or chunked
+PyTorch where neither runs), which a
 parity test holds equal to the reference. A steady step (same parameters, states
 and options as the last) is one kernel call through the cached ``_fused_plan``.
 """

@@ -276,8 +276,8 @@ def test_low_precision_and_strided_params_match_the_reference(backend):
 @pytest.mark.parametrize("update_clip", [None, 1.0])
 @pytest.mark.parametrize("bits", [8, 4, None])
 def test_cuda_compiled_step_matches_reference(bits, update_clip):
-    """On CUDA the chunk function is torch.compile'd; same result as the reference
-    (the clip's bound goes in as a 0-dim tensor, inf without a clip)."""
+    """On CUDA fused_step runs the Triton step (``_triton_step``; the compiled
+    chunk function where triton is absent): the reference's result."""
     n, period = 50_001, 97
     state = random_state(n, period, bits, seed=2)
     param, grad = torch.randn(n), torch.randn(n)
@@ -301,8 +301,7 @@ def test_cuda_compiled_step_matches_reference(bits, update_clip):
 @pytest.mark.parametrize("bits,stochastic", [(8, False), (8, True), (4, True)])
 def test_cuda_factored_step_matches_reference(bits, stochastic):
     """The 4-bit default on CUDA: a factored second moment and stochastic codes
-    (searched for 8-bit codes) through the compiled chunk function; the reference's
-    result."""
+    (searched for 8-bit codes) through the Triton step; the reference's result."""
     from leantrain.optim.codebook import with_exact_zero
     from leantrain.optim.factored import factor_shape
 
