@@ -26,6 +26,7 @@ import torch
 from _source_scan import ROOT, parse, scoped_nodes
 
 from leantrain.precond._random import DeviceGenerators, device_key
+
 PACKAGES = ("precond", "optim", "layer_parallel")
 FACTORIES = {
     "arange",

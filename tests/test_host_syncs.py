@@ -236,8 +236,7 @@ HOST_READS: dict[tuple[str, str, str], str] = {
         "the public function's range check; GefenMuon passes check_range=False"
     ),
     ("optim/quant.py", "quantize_blockwise", "bool()"): (
-        "the public function's finiteness check; GefenMuon passes "
-        "check_finite=False"
+        "the public function's finiteness check; GefenMuon passes check_finite=False"
     ),
     # precond
     ("precond/preconditioned.py", "all_finite", "bool()"): _NONFINITE,
