@@ -333,3 +333,20 @@ def test_bad_arguments_raise():
         SoapGradientMaker(model, betas=0.9)
     with pytest.raises(ValueError, match="max_precond_dim must be an int >= 1, got 0"):
         SoapGradientMaker(model, max_precond_dim=0)
+
+
+def test_sgd_momentum_around_soap_is_named():
+    # SOAP's direction holds Adam's momentum and scale: SGD's momentum on top is
+    # what made it diverge at SGD(0.05, momentum=0.9); without momentum it is SOAP.
+    import warnings
+
+    model = nn.Linear(4, 3)
+    with pytest.warns(UserWarning, match="SOAP wraps SGD with momentum=0.9"):
+        precondition_in_loop(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, "soap"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+        precondition_in_loop(sgd, model, "soap")
+        precondition_in_loop(torch.optim.AdamW(model.parameters()), model, "soap")
