@@ -148,3 +148,20 @@ def test_unknown_section_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpu_check.main(["--out", str(tmp_path), "--sections", "speed"])
     assert "unknown section(s) ['speed']" in capsys.readouterr().err
+
+
+def test_a_suite_cut_at_its_budget_is_reported_as_cut(tmp_path):
+    # timeout(1) exits 124 after SIGINT stopped pytest; the XML holds what ran.
+    xml = tmp_path / "suite.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.a" name="test_a"/>'
+        "</testsuite></testsuites>"
+    )
+    status = gpu_check.main(
+        ["--out", str(tmp_path), "--quick", "--sections", "", "--suite-xml", str(xml),
+         "--suite-exit", "124"]
+    )  # fmt: skip
+    assert status == 1
+    text = (tmp_path / "report.md").read_text()
+    assert "CUT at GPU_CHECK_SUITE_S" in text and "1 passed, 0 failed" in text
