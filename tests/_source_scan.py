@@ -45,3 +45,22 @@ def enclosing_function(path: str | Path, lineno: int) -> str:
                 name = node.name if scope == "<module>" else f"{scope}.{node.name}"
                 best, best_span = name, span
     return best
+
+
+def assert_listed(
+    found: dict[tuple[str, str, str], list[int]],
+    allowed: dict[tuple[str, str, str], str],
+    *,
+    what: str,
+    table: str,
+    fix: str,
+) -> None:
+    """Every ``(file, function, kind)`` found is in ``allowed`` (with its reason),
+    and every entry of ``allowed`` is still found (no stale reasons)."""
+    unlisted = {k: v for k, v in found.items() if k not in allowed}
+    where = [f"{f}:{lines} in {fn}: {k}" for (f, fn, k), lines in unlisted.items()]
+    assert not unlisted, (
+        f"{what} ({fix}, or list it in {table} with the reason): " + "; ".join(where)
+    )
+    stale = sorted(set(allowed) - set(found))
+    assert not stale, f"{table} lists calls that are gone: {stale}"

@@ -23,7 +23,7 @@ import ast
 
 import pytest
 import torch
-from _source_scan import ROOT, parse, scoped_nodes
+from _source_scan import ROOT, assert_listed, parse, scoped_nodes
 
 from leantrain.precond._random import DeviceGenerators, device_key
 
@@ -176,17 +176,13 @@ def _factory_calls_without_device() -> dict[tuple[str, str, str], list[int]]:
 
 def test_every_factory_follows_a_device_or_says_why_not():
     found = _factory_calls_without_device()
-    unlisted = {k: v for k, v in found.items() if k not in HOST_SIDE}
-    assert not unlisted, (
-        "tensor factories without device= (pass the device of the tensors they "
-        "serve, or list them in HOST_SIDE with the reason): "
-        + "; ".join(
-            f"{f}:{lines} in {fn}: torch.{name}"
-            for (f, fn, name), lines in unlisted.items()
-        )
+    assert_listed(
+        found,
+        HOST_SIDE,
+        what="tensor factories without device=",
+        table="HOST_SIDE",
+        fix="pass the device of the tensors they serve",
     )
-    stale = sorted(set(HOST_SIDE) - set(found))
-    assert not stale, f"HOST_SIDE lists calls that are gone: {stale}"
 
 
 def test_the_check_finds_a_device_less_factory(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import ast
 
-from _source_scan import ROOT, parse, scoped_nodes
+from _source_scan import ROOT, assert_listed, parse, scoped_nodes
 
 # file under leantrain/ -> the functions and classes a steady step runs.
 STEADY: dict[str, tuple[str, ...]] = {
@@ -335,16 +335,13 @@ def _steady_host_reads(
 def test_steady_steps_read_only_the_listed_host_values():
     found, missing = _steady_host_reads(STEADY)
     assert not missing, f"STEADY names functions that are gone: {sorted(missing)}"
-    unlisted = {k: v for k, v in found.items() if k not in HOST_READS}
-    assert not unlisted, (
-        "host reads in a steady step (keep the value on the device, or list it in "
-        "HOST_READS with the reason it stays): "
-        + "; ".join(
-            f"{f}:{lines} in {fn}: {call}" for (f, fn, call), lines in unlisted.items()
-        )
+    assert_listed(
+        found,
+        HOST_READS,
+        what="host reads in a steady step",
+        table="HOST_READS",
+        fix="keep the value on the device",
     )
-    stale = sorted(set(HOST_READS) - set(found))
-    assert not stale, f"HOST_READS lists calls that are gone: {stale}"
 
 
 def test_the_scan_finds_each_kind_of_host_read(tmp_path, monkeypatch):

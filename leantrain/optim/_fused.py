@@ -325,36 +325,14 @@ def fused_step(
         update_clip=update_clip,
     )
     lib = _native.load()
+    where = dict(layout=layout, stochastic=stochastic, key=key, code_key=ckey)
     if lib is not None and _c_problem(param, grad, state) is None:
         c_step(
-            param,
-            grad,
-            state,
-            hyper,
-            layout=layout,
-            stochastic=stochastic,
-            key=key,
-            code_key=ckey,
-            index0=index0,
-            lib=lib,
-            checked=True,
+            param, grad, state, hyper, **where, index0=index0, lib=lib, checked=True
         )  # the kernel advances a factored state's factors itself
     elif (why := gpu_problem(param, grad, state, stochastic)) is None:
-        _triton_step.launch(
-            [
-                _triton_step.job(
-                    param,
-                    grad,
-                    state,
-                    hyper,
-                    layout=layout,
-                    stochastic=stochastic,
-                    key=key,
-                    code_key=ckey,
-                    index0=index0,
-                )
-            ]
-        )  # the kernels advance a factored state's factors themselves
+        job = _triton_step.job(param, grad, state, hyper, **where, index0=index0)
+        _triton_step.launch([job])  # the kernels advance the factors themselves
     else:
         if param.device.type == "cuda":
             _triton_step.warn_fallback(why)

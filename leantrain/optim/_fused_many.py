@@ -145,6 +145,14 @@ def _checked(item: StepItem, lib, cache: dict | None) -> tuple | None:
 
 
 @torch.no_grad()
+def _contiguous_twin(item: StepItem, strided: list[tuple[Tensor, Tensor]]) -> StepItem:
+    """``item`` on contiguous copies of its parameter and gradient; the pair
+    (parameter, copy) goes to ``strided`` to be written back after the step."""
+    twin = replace(item, param=item.param.contiguous(), grad=item.grad.contiguous())
+    strided.append((item.param, twin.param))
+    return twin
+
+
 def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
     """One Gefen step of every item; ``fused_step``'s result on each, bit for bit.
 
@@ -167,12 +175,7 @@ def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
     for item in items:
         if _triton_step.serves(item.param.device):
             if not (item.param.is_contiguous() and item.grad.is_contiguous()):
-                # as for the C kernel: a contiguous twin, written back after
-                twin = replace(
-                    item, param=item.param.contiguous(), grad=item.grad.contiguous()
-                )
-                strided.append((item.param, twin.param))
-                item = twin
+                item = _contiguous_twin(item, strided)  # as for the C kernel
             checked = _checked(item, None, cache)
             if checked is None:
                 continue
@@ -184,11 +187,7 @@ def step_many(items: Sequence[StepItem], cache: dict | None = None) -> None:
                 others.append(item)
             continue
         if lib is not None and _kernel_layout_only(item):
-            twin = replace(
-                item, param=item.param.contiguous(), grad=item.grad.contiguous()
-            )
-            strided.append((item.param, twin.param))
-            item = twin
+            item = _contiguous_twin(item, strided)
         checked = _checked(item, lib, cache)
         if checked is None:
             continue
