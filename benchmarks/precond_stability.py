@@ -1,5 +1,9 @@
 """Do the registry's preconditioners train at the learning rates people start with?
 
+SOAP is in the list with the rest, around the same optimizers, although its
+direction already holds Adam's momentum and scale (``PreconditionedOptimizer`` warns
+when it wraps SGD with momentum; its own step is SGD without momentum).
+
 Each method with the registry's defaults (``make_gradient_maker`` /
 ``precondition_in_loop``: K-FAC and EKFAC with their KL clip, Shampoo and PSGD
 grafted from SGD) wraps ``SGD(lr=0.05, momentum=0.9)`` and ``AdamW(lr=1e-3)`` on
@@ -39,8 +43,8 @@ from leantrain.data import TensorBatches, TokenBatches, load_digits, load_stdlib
 from leantrain.models import CNN, GPT, MLP, lm_loss
 from leantrain.precond import make_gradient_maker, precondition_in_loop
 
-METHODS = ("plain", "kfac", "ekfac", "shampoo", "psgd")
-IN_LOOP = {"kfac", "ekfac", "shampoo"}
+METHODS = ("plain", "kfac", "ekfac", "shampoo", "psgd", "soap")
+IN_LOOP = {"kfac", "ekfac", "shampoo", "soap"}
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
