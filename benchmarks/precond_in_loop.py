@@ -15,7 +15,11 @@ shared machine's load makes wall time meaningless) after a warm-up, its ratio to
 the plain step of the same run, and loop / maker. ``--repeats N`` runs the whole
 timing N times and prints the median ratio and the range.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/precond_in_loop.py --repeats 3``
+``--plain`` times the steps between refreshes instead (curvature and preconditioner
+at step 0 only, inside the warm-up): what preconditioning adds to a step that only
+applies it.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/precond_in_loop.py --repeats 3 [--plain]``
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from leantrain.precond import make_gradient_maker, precondition_in_loop
 
 # The position embedding sees (T,) positions, not the batch: the hooks skip it.
 CONFIG = {"ignore_modules": ("wpe",)}
+# --plain: curvature and preconditioner at step 0 only (the warm-up), so the timed
+# steps are plain steps: what a step between refreshes costs.
+PLAIN = {"curvature_interval": 10_000, "preconditioner_interval": 10_000}
 METHODS = {
     "kfac (MC)": ("kfac", {}),
     "kfac (emp)": ("kfac", {"fisher_type": "fisher_emp"}),
@@ -50,9 +57,9 @@ def _plain(model):
     return step
 
 
-def _maker(model, method, kwargs):
+def _maker(model, method, kwargs, config):
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
-    gm = make_gradient_maker(method, model, config=CONFIG, lr=0.01, **kwargs)
+    gm = make_gradient_maker(method, model, config=config, lr=0.01, **kwargs)
 
     def step(x, t):
         sgd.zero_grad()
@@ -64,9 +71,9 @@ def _maker(model, method, kwargs):
     return step
 
 
-def _loop(model, method, kwargs):
+def _loop(model, method, kwargs, config):
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
-    opt = precondition_in_loop(sgd, model, method, config=CONFIG, **kwargs)
+    opt = precondition_in_loop(sgd, model, method, config=config, **kwargs)
 
     def step(x, t):
         opt.zero_grad()
@@ -76,7 +83,7 @@ def _loop(model, method, kwargs):
     return step
 
 
-def time_once(steps: int, warmup: int) -> dict[str, float]:
+def time_once(steps: int, warmup: int, plain: bool = False) -> dict[str, float]:
     """Median CPU seconds per step of every form, measured in turns."""
     torch.manual_seed(0)
     base = GPT(GPTConfig(n_layer=2, d_model=64, n_head=2, block_size=32))
@@ -85,8 +92,9 @@ def time_once(steps: int, warmup: int) -> dict[str, float]:
     t = torch.randint(0, 256, (8, 32), generator=g)
     forms = {"plain": _plain(copy.deepcopy(base))}
     for name, (method, kwargs) in METHODS.items():
-        forms[f"{name} maker"] = _maker(copy.deepcopy(base), method, kwargs)
-        forms[f"{name} loop"] = _loop(copy.deepcopy(base), method, kwargs)
+        config = {**CONFIG, **PLAIN} if plain else CONFIG
+        forms[f"{name} maker"] = _maker(copy.deepcopy(base), method, kwargs, config)
+        forms[f"{name} loop"] = _loop(copy.deepcopy(base), method, kwargs, config)
     times: dict[str, list[float]] = {k: [] for k in forms}
     for _ in range(warmup + steps):
         for name, step in forms.items():
@@ -101,8 +109,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="time steps between refreshes (curvature and preconditioner at step 0)",
+    )
     args = parser.parse_args()
-    runs = [time_once(args.steps, args.warmup) for _ in range(args.repeats)]
+    runs = [time_once(args.steps, args.warmup, args.plain) for _ in range(args.repeats)]
     first = runs[0]
     print(f"{'form':20s} {'step ms':>8s} {'x plain':>8s}  (range over repeats)")
     for name in first:
