@@ -13,7 +13,7 @@ continues where it stopped (a run is identified by setting, seed and the trainin
 configuration); the table and the PNG are computed from that file alone. The table
 gives, per setting, the validation loss as a ratio to AdamW of the same seed at 25,
 50, 75 and 100 % of training (geometric mean over seeds, 95 % t-interval of the log
-ratios, ``benchmarks/gefen_seeds.py``'s ``summary``), the training-loss ratio at the
+ratios, ``leantrain.compare.ratio_interval``), the training-loss ratio at the
 end, and the optimizer's state in bytes per parameter.
 
 Settings: ``adamw`` (``torch.optim.AdamW``, weight decay 1e-2);
@@ -22,8 +22,9 @@ Gefen's default, ``4:auto`` its 4-bit default, ``fp32:auto`` fp32 momentum with 
 default second moment); such a spec with ``+element=GROUP[/GROUP]`` gives those
 parameter groups AdamW's per-element second moment (a param group with
 ``partition="element"``), GROUP in :data:`GROUPS`; ``peer:NAME`` for a
-``leantrain.peers.PEERS`` optimizer (``peer:gefen-1.2.3``, ``peer:adam-mini-1.1.1``,
-``peer:torchao-adamw8bit``; installed as docs/peers.md says).
+``leantrain.compare.OPTIMIZERS`` optimizer (``peer:gefen-1.2.3``,
+``peer:adam-mini-1.1.1``, ``peer:torchao-adamw8bit``; installed as docs/peers.md
+says).
 
 Run: ``nice -n 10 python benchmarks/gefen_long.py --seeds 0-2 --jobs 2`` (two
 processes of one thread; d = 256, one block, context 32, batch 8: 0.04 s of CPU per
@@ -47,16 +48,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gefen_quality import make_optimizer  # noqa: E402
-from gefen_seeds import parse_seeds, summary  # noqa: E402
+# Sibling benchmarks: importable as run (python puts benchmarks/ first on the path).
+from gefen_quality import make_optimizer
+from gefen_seeds import parse_seeds
 
-from leantrain._schedule import warmup_cosine  # noqa: E402
-from leantrain.compare_memory import seeded_gpt  # noqa: E402
-from leantrain.data import TokenBatches, fixed_token_batches, load_stdlib_text  # noqa: E402
-from leantrain.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from leantrain.optim import Gefen  # noqa: E402
-from leantrain.peers import PEERS, state_nbytes  # noqa: E402
+from leantrain.compare import OPTIMIZERS, ratio_interval, state_nbytes, warmup_cosine
+from leantrain.compare.memory import seeded_gpt
+from leantrain.data import TokenBatches, fixed_token_batches, load_stdlib_text
+from leantrain.models.gpt import GPT, GPTConfig, lm_loss
+from leantrain.optim import Gefen
 
 DEFAULT_SETTINGS = "adamw,8:auto,4:auto"
 POINTS = (0.25, 0.5, 0.75, 1.0)  # fractions of training the table reports
@@ -110,9 +110,9 @@ def build_optimizer(setting: str, model: torch.nn.Module, lr: float):
     """The optimizer a setting names (see the module docstring)."""
     if setting.startswith("peer:"):
         name = setting.removeprefix("peer:")
-        if name not in PEERS:
-            raise ValueError(f"unknown peer {name!r}; known: {sorted(PEERS)}")
-        return PEERS[name].factory(model, lr, WEIGHT_DECAY)
+        if name not in OPTIMIZERS:
+            raise ValueError(f"unknown peer {name!r}; known: {sorted(OPTIMIZERS)}")
+        return OPTIMIZERS[name].factory(model, lr, WEIGHT_DECAY)
     base, _, swap = setting.partition("+element=")
     opt = make_optimizer(base, model, lr)
     if not swap:
@@ -308,7 +308,7 @@ def format_table(records: list[dict], config: Config, settings: list[str]) -> st
 
 
 def _cell(ratios: list[float]) -> str:
-    mean, low, high = summary(ratios)
+    mean, low, high = ratio_interval(ratios)
     if math.isnan(low):
         return f"{mean:.3f}"
     return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
@@ -328,7 +328,7 @@ def write_plot(
     for setting in [s for s in settings if s in table and s != "adamw"]:
         row = table[setting]
         steps = sorted(row["val"])
-        stats = [summary(row["val"][s]) for s in steps]
+        stats = [ratio_interval(row["val"][s]) for s in steps]
         (line,) = ax.plot(steps, [m for m, _, _ in stats], label=setting)
         if all(math.isfinite(lo) for _, lo, _ in stats):
             lows, highs = [lo for _, lo, _ in stats], [hi for _, _, hi in stats]

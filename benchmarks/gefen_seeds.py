@@ -9,7 +9,8 @@ A 1% claim needs more than one seed, and a yardstick for what "the same optimize
 scores.
 
 For each seed (initialisation and data order), every variant trains from the same
-initial weights on the same batches as AdamW (``leantrain.compare``'s tasks), and
+initial weights on the same batches as AdamW (``leantrain.compare``'s tasks and
+its training loop, ``train_one``), and
 its validation loss is divided by AdamW's of that seed. The table prints each
 seed's ratio, then the geometric mean over seeds with a 95% interval (t
 distribution on the log ratios), and the same summary of the training loss (mean of
@@ -31,19 +32,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gefen_quality import make_optimizer  # noqa: E402
-from second_moment_probes import ProbeAdamW, parse_probe  # noqa: E402
+# Sibling benchmarks: importable as run (python puts benchmarks/ first on the path).
+from gefen_quality import make_optimizer
+from second_moment_probes import ProbeAdamW, parse_probe
 
-from leantrain import compare  # noqa: E402
-from leantrain._stats import ratio_interval as summary  # noqa: E402
-from leantrain.cli import build_parser  # noqa: E402
+from leantrain import compare
+from leantrain.cli import build_parser
+from leantrain.compare.report import progress_bar
+from leantrain.compare.stats import ratio_interval as summary
 
 DEFAULT_VARIANTS = "adamw-eps,adamw-lr,8:auto,4:auto"
 
@@ -58,24 +58,31 @@ def control(spec: str, params, lr: float) -> torch.optim.Optimizer:
 
 
 def register(spec: str) -> str:
-    """Add ``spec`` to ``compare.OPTIMIZERS`` (under its own name) and return it."""
+    """Add ``spec`` to ``compare.OPTIMIZERS`` (under its own name) and return it.
+
+    The variants keep their own weight decay (the controls AdamW's default, the
+    Gefen specs gefen_quality's), so the registry's is not passed on.
+    """
     if spec.startswith("adamw-"):
         control(spec, [torch.zeros(1, requires_grad=True)], 1e-3)  # validate now
-        compare.OPTIMIZERS[spec] = lambda params, lr: control(spec, params, lr)
-        return spec
-    if spec.startswith("probe:"):
+
+        def factory(model, lr, _weight_decay):
+            return control(spec, model.parameters(), lr)
+
+    elif spec.startswith("probe:"):
         probe = spec.removeprefix("probe:")
         parse_probe(probe)  # validate now
-        compare.OPTIMIZERS[spec] = lambda params, lr: ProbeAdamW(params, lr, probe)
-        return spec
-    make_optimizer(spec, torch.nn.Linear(1, 1), 1e-3)  # validate now
 
-    def build(params, lr):
-        holder = torch.nn.Module()
-        holder.params = torch.nn.ParameterList(params)
-        return make_optimizer(spec, holder, lr)
+        def factory(model, lr, _weight_decay):
+            return ProbeAdamW(model.parameters(), lr, probe)
 
-    compare.OPTIMIZERS[spec] = build
+    else:
+        make_optimizer(spec, torch.nn.Linear(1, 1), 1e-3)  # validate now
+
+        def factory(model, lr, _weight_decay):
+            return make_optimizer(spec, model, lr)
+
+    compare.OPTIMIZERS[spec] = compare.OptimizerEntry(factory, spec, "gefen_seeds")
     return spec
 
 
@@ -96,35 +103,37 @@ def _study(args: argparse.Namespace, seeds: list[int], variants: list[str]):
     ratios: dict[str, list[float]] = {v: [] for v in variants}
     train_ratios: dict[str, list[float]] = {v: [] for v in variants}
     rows = []
-    for seed in tqdm(seeds, desc="seeds"):
-        cli = ["compare", "--model", args.model, "--seed", str(seed)]
-        cli += ["--steps", str(args.steps)] if args.steps else []
-        run = build_parser().parse_args(cli)
-        task = compare.resolve_defaults(run).build(run)
-        results = {}
-        for name in ["adamw", *variants]:
-            results[name] = compare.train_one(task, name, run.steps, run.lr, _quiet)
-        base = results["adamw"]
-        seed_ratios = [results[v].val_loss / base.val_loss for v in variants]
-        for v, ratio in zip(variants, seed_ratios, strict=True):
-            ratios[v].append(ratio)
-            train_ratios[v].append(results[v].train_loss / base.train_loss)
-        rows.append((seed, base.val_loss, seed_ratios))
+    with progress_bar(len(seeds), "seeds", unit="seed") as bar:
+        for seed in seeds:
+            cli = ["compare", "--model", args.model, "--seed", str(seed)]
+            cli += ["--steps", str(args.steps)] if args.steps else []
+            run = build_parser().parse_args(cli)
+            task = compare.resolve_defaults(run).build(run)
+            results = {}
+            for name in ["adamw", *variants]:
+                results[name] = compare.train_one(task, name, run.steps, run.lr, _quiet)
+            base = results["adamw"]
+            seed_ratios = [results[v].val_loss / base.val_loss for v in variants]
+            for v, ratio in zip(variants, seed_ratios, strict=True):
+                ratios[v].append(ratio)
+                train_ratios[v].append(results[v].train_loss / base.train_loss)
+            rows.append((seed, base.val_loss, seed_ratios))
+            bar.update()
     return run, rows, ratios, train_ratios
 
 
 def _quiet(_loss: float) -> None:
-    """compare.train_one's progress callback, unused here (tqdm counts seeds)."""
+    """compare.train_one's progress callback, unused here (the bar counts seeds)."""
 
 
 def write_plot(model: str, rows, variants: list[str], path: Path) -> None:
     """Every seed's ratio (dots) and the geometric mean with its 95% interval (a
     bar) per variant, on a log axis, with 1.0 (AdamW) marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import FormatStrFormatter
+
+    from leantrain.compare.report import pyplot
+
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(variants), 4))
     for x, v in enumerate(variants):

@@ -1,13 +1,13 @@
-"""Every optimizer of leantrain/peers.py on the same models, data, init and steps.
+"""Every peer optimizer of leantrain.compare on the same models, data, init and steps.
 
 Prints one table per model:
 
 * **state B/param** -- bytes of every tensor in ``opt.state`` (tensor subclasses
   such as torchao's are opened into their inner tensors) plus the peer's top-level
-  tensors (``leantrain.peers.extra_state_tensors``), each storage counted once,
-  divided by the number of parameters.
+  tensors (``leantrain.compare.measure.extra_state_tensors``), each storage counted
+  once, divided by the number of parameters.
 * **peak step MiB** -- extra resident memory during ``step()``
-  (``leantrain.peers.measured_step``): VmHWM is reset by writing "5" to
+  (``leantrain.compare.measure.measured_step``): VmHWM is reset by writing "5" to
   ``/proc/self/clear_refs`` just before the step (after glibc's ``malloc_trim(0)``
   hands freed heap pages back), and the step's peak is VmHWM (``/proc/self/status``)
   after it minus VmRSS before it; the largest over the steps after the first (the
@@ -25,7 +25,7 @@ Usage::
 
     python benchmarks/optimizers.py                 # a few minutes
     python benchmarks/optimizers.py --full          # longer runs, every peer everywhere
-    python benchmarks/optimizers.py --models mlp --peers adamw-foreach,gefen-8bit
+    python benchmarks/optimizers.py --models mlp --peers adamw-foreach,gefen8
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leantrain.peers import PEERS, measured_step, state_nbytes
+from leantrain.compare import OPTIMIZERS, PEERS, measured_step, state_nbytes
 
 BASELINE = "adamw-foreach"
 
@@ -160,7 +160,7 @@ def run_one(task: Task, init: dict, peer: str, weight_decay: float) -> Result:
     model = task.build()
     model.load_state_dict(init)
     try:
-        opt = PEERS[peer].factory(model, task.lr, weight_decay)
+        opt = OPTIMIZERS[peer].factory(model, task.lr, weight_decay)
         times, peaks = [], []
         for i, batch in enumerate(task.train_batches):
             opt.zero_grad(set_to_none=True)
@@ -221,10 +221,9 @@ def print_table(task: Task, results: list[Result], threads: int) -> None:
 
 
 def plot(all_results: dict[str, list[Result]], path: Path) -> None:
-    import matplotlib
+    from leantrain.compare.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     shown = {k: v for k, v in all_results.items() if any(r.losses for r in v)}
     if not shown:

@@ -1,19 +1,10 @@
-"""The ``leantrain`` command: argument parsing and dispatch.
+"""The ``leantrain`` command: its subcommands and the console entry point.
 
-``leantrain compare`` (no arguments) reports the three axes, memory, curvature and
-depth (:mod:`leantrain.compare_axes`); ``leantrain compare memory|curvature|depth``
-one of them. With a single-model option (``--model``, ``--optimizers``, ``--steps``,
-...) it trains one seeded model with several optimizers (same initial weights, same
-batches in the same order) and reports final losses, optimizer state bytes per
-parameter and step times, each as a ratio to AdamW (:mod:`leantrain.compare`).
-``--peers`` runs the published peer optimizers instead
-(:mod:`leantrain.compare_peers`), ``--precond`` the gradient-preconditioning methods
-against SGD and AdamW (:mod:`leantrain.compare_precond`). ``leantrain compare
---help`` describes the axes, ``leantrain compare AXIS --help`` one axis' settings;
-``leantrain --version`` prints the version. See docs/compare.md.
+``leantrain compare ...`` is :mod:`leantrain.compare.cli`; ``leantrain --version``
+prints the version.
 
-Extending: a subcommand is one entry in :data:`COMMANDS` (name -> (add_arguments,
-run)); optimizers and tasks are registries of :mod:`leantrain.compare`.
+Extending: a subcommand is one entry in :data:`COMMANDS` (name -> (help,
+add_arguments, run)).
 """
 
 from __future__ import annotations
@@ -23,235 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 
 import leantrain
-from leantrain.compare import OPTIMIZERS, TASKS, run_compare
-from leantrain.compare_axes import AXES, run_axes
-from leantrain.peers import PEERS
-from leantrain.precond.registry import PRECOND_METHODS
+from leantrain.compare.cli import COMPARE_HELP, add_compare_arguments, dispatch_compare
 
-DEFAULT_OPTIMIZERS = ["adamw", "gefen8", "gefen4"]
-# Options of the single-model comparison; any of them selects it.
-SINGLE_MODEL_OPTIONS = {
-    "model": "--model",
-    "data": "--data",
-    "optimizers": "--optimizers",
-    "peers": "--peers",
-    "precond": "--precond",
-    "steps": "--steps",
-    "batch_size": "--batch-size",
-    "lr": "--lr",
-}
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _name_list(kind: str, registry: Sequence[str]) -> Callable[[str], list[str]]:
-    """An argparse type: comma-separated names, each from ``registry``, no repeats."""
-
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        unknown = [n for n in names if n not in registry]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {kind}(s) {unknown or text!r}; allowed: {', '.join(registry)}"
-            )
-        if len(set(names)) != len(names):
-            raise argparse.ArgumentTypeError(f"{kind} listed twice in {text!r}")
-        return names
-
-    return parse
-
-
-# The options of every run of ``leantrain compare`` and their defaults.
-RUN_DEFAULTS = {"seed": 0, "out": "leantrain-compare", "threads": 1, "workers": 2}
-
-COMPARE_DESCRIPTION = (
-    "With no axis and no single-model option: the three axes (memory, curvature, "
-    "depth; listed at the end), each against its baseline on the embedded data, "
-    "their independent runs on --workers processes under one progress bar; prints "
-    "one table per axis and writes compare.md, compare.json and compare.png to "
-    "--out (docs/compare.md). 'leantrain compare AXIS' runs one axis, 'leantrain "
-    "compare AXIS --help' gives its settings. Any single-model option trains one "
-    "model with several optimizers instead."
-)
-
-
-def _add_run_options(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-    *,
-    seed_help: str,
-    workers_help: str,
-    defaults: bool,
-) -> None:
-    """``--seed``, ``--out``, ``--threads``, ``--workers``. An axis' parser leaves
-    them unset unless given (``defaults=False``): argparse copies a subcommand's
-    defaults over what ``leantrain compare`` parsed before it."""
-
-    def default(name: str):
-        return RUN_DEFAULTS[name] if defaults else argparse.SUPPRESS
-
-    parser.add_argument(
-        "--seed", type=int, default=default("seed"), help=f"{seed_help} (default 0)"
-    )
-    parser.add_argument(
-        "--out",
-        default=default("out"),
-        help="output folder (default leantrain-compare)",
-    )
-    # One thread by default: timings stay comparable and robust on shared machines
-    # (two threads on two busy cores made steps up to 10x slower here).
-    parser.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=default("threads"),
-        help="torch threads per process (default 1)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=default("workers"),
-        help=f"{workers_help} (default 2)",
-    )
-
-
-def _add_axis_parsers(parser: argparse.ArgumentParser) -> None:
-    """``leantrain compare memory|curvature|depth``, each with its own help."""
-    axes = parser.add_subparsers(
-        dest="axis",
-        title="one axis (default: all three)",
-        metavar="AXIS",
-        prog=parser.prog,  # not derived from the usage line
-    )
-    for name, axis in AXES.items():
-        config = axis.config(argparse.Namespace(seed=RUN_DEFAULTS["seed"]))
-        sub = axes.add_parser(name, help=axis.title, description=axis.describe(config))
-        n_runs = len(axis.jobs(config))
-        _add_run_options(
-            sub,
-            seed_help=axis.seed_help,
-            workers_help=f"processes for the axis' {n_runs} independent runs",
-            defaults=False,
-        )
-        # Accepted only to be refused by dispatch_compare, naming the axis.
-        for dest, flag in SINGLE_MODEL_OPTIONS.items():
-            sub.add_argument(
-                flag,
-                dest=dest,
-                nargs="?",
-                const=True,
-                default=argparse.SUPPRESS,
-                help=argparse.SUPPRESS,
-            )
-
-
-def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``leantrain compare`` (defaults per model come from TASKS)."""
-    parser.description = COMPARE_DESCRIPTION
-    parser.usage = "%(prog)s [AXIS] [options]"
-    _add_run_options(
-        parser.add_argument_group("options of the axes and the single-model run"),
-        seed_help="axes: the seed (memory: the first of three); single model: "
-        "initial weights and data order",
-        workers_help="processes for the axes' independent runs (not used by the "
-        "single-model comparison)",
-        defaults=True,
-    )
-    single = parser.add_argument_group(
-        "single-model comparison",
-        "Any of these trains one seeded model with several optimizers instead of "
-        "running the axes.",
-    )
-    single.add_argument(
-        "--model",
-        choices=list(TASKS),
-        default=None,
-        help="gpt: GPT.default() on text (the default; with --precond: mlp); "
-        "mlp, cnn: image classifiers",
-    )
-    single.add_argument(
-        "--data",
-        default=None,
-        help="gpt: 'stdlib' (default) or a text file/folder; mlp/cnn: 'digits' "
-        "(default) or a folder of <class>/*.png",
-    )
-    what = single.add_mutually_exclusive_group()
-    what.add_argument(
-        "--optimizers",
-        type=_name_list("optimizer", list(OPTIMIZERS)),
-        help=f"comma-separated, from: {', '.join(OPTIMIZERS)} (default: "
-        f"{','.join(DEFAULT_OPTIMIZERS)})",
-    )
-    what.add_argument(
-        "--peers",
-        nargs="?",
-        const=list(PEERS),
-        type=_name_list("peer", list(PEERS)),
-        help="compare with the published peer optimizers instead: all of them, or "
-        f"a comma-separated list from: {', '.join(PEERS)} (adamw-foreach, the "
-        "baseline of the ratios, is always run)",
-    )
-    what.add_argument(
-        "--precond",
-        type=_name_list("preconditioning method", list(PRECOND_METHODS)),
-        help="compare preconditioned gradients with SGD and AdamW instead; "
-        f"comma-separated from: {', '.join(PRECOND_METHODS)}",
-    )
-    for option, attr in [("--steps", "steps"), ("--batch-size", "batch_size")]:
-        defaults = ", ".join(f"{k}: {getattr(v, attr)}" for k, v in TASKS.items())
-        single.add_argument(option, type=_positive_int, help=f"default {defaults}")
-    lrs = ", ".join(f"{k}: {v.lr}" for k, v in TASKS.items())
-    single.add_argument(
-        "--lr",
-        type=_positive_float,
-        help=f"default {lrs} (with --precond: AdamW's only; the methods use the "
-        "registry's)",
-    )
-    _add_axis_parsers(parser)
-
-
-def dispatch_compare(args: argparse.Namespace) -> list:
-    """Run the variant of ``leantrain compare`` the options ask for."""
-    given = [flag for dest, flag in SINGLE_MODEL_OPTIONS.items() if getattr(args, dest)]
-    if args.axis is not None or not given:
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} apply to the single-model comparison; leave "
-                f"out the axis {args.axis!r} to run it"
-            )
-        return run_axes(args, [args.axis] if args.axis else list(AXES))
-    if args.model is None:  # preconditioning wants a small model
-        args.model = "mlp" if args.precond else "gpt"
-    if args.peers:
-        from leantrain.compare_peers import run_peers
-
-        return run_peers(args)
-    if args.precond:
-        from leantrain.compare_precond import run_precond
-
-        return run_precond(args)
-    if args.optimizers is None:
-        args.optimizers = list(DEFAULT_OPTIMIZERS)
-    return run_compare(args)
-
-
-COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable]] = {
-    "compare": (add_compare_arguments, dispatch_compare),
-}
-COMMAND_HELP = {
-    "compare": "the three axes (memory, curvature, depth) side by side, or one "
-    "model with AdamW and Gefen (or the peers, or the preconditioning methods) "
-    "from the same start; print and save the tables",
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {
+    "compare": (COMPARE_HELP, add_compare_arguments, dispatch_compare),
 }
 
 
@@ -263,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"leantrain {leantrain.__version__}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (add_arguments, _) in COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=COMMAND_HELP.get(name)))
+    for name, (help_text, add_arguments, _) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=help_text))
     return parser
 
 
@@ -275,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     try:
-        COMMANDS[args.command][1](args)
+        COMMANDS[args.command][2](args)
     except ValueError as err:  # bad data paths, block size too long, ...
         parser.exit(2, f"leantrain {args.command}: error: {err}\n")
     return 0

@@ -8,10 +8,13 @@ import time
 import pytest
 import torch
 
-from leantrain import compare_curvature, compare_depth, compare_memory
 from leantrain.cli import build_parser, main
-from leantrain.compare import METRICS, OPTIMIZERS
-from leantrain.compare_peers import PEER_COLUMNS
+from leantrain.compare import OPTIMIZERS, PEERS, VARIANTS
+from leantrain.compare import curvature as compare_curvature
+from leantrain.compare import depth as compare_depth
+from leantrain.compare import memory as compare_memory
+from leantrain.compare.peers import PEER_COLUMNS
+from leantrain.compare.single_model import METRICS
 from leantrain.data import load_stdlib_text
 
 
@@ -128,12 +131,15 @@ def test_compare_cnn_on_a_png_folder(tmp_path, capsys):
 
 
 def test_registry_names():
-    assert {"adamw", "gefen8", "gefen4", "gefen-fp32"} <= set(OPTIMIZERS)
-    assert {"gefen8-factored", "gefen4-blocks", "gefen4-noclip"} <= set(OPTIMIZERS)
-    params = [torch.nn.Parameter(torch.zeros(3, 2))]
-    group = OPTIMIZERS["gefen4-noclip"](params, 1e-3).param_groups[0]
+    assert {"adamw", "gefen8", "gefen4", "gefen-fp32"} <= set(VARIANTS)
+    assert {"gefen8-factored", "gefen4-blocks", "gefen4-noclip"} <= set(VARIANTS)
+    # One registry, one name per optimizer: both lists name its entries.
+    assert set(VARIANTS) | set(PEERS) <= set(OPTIMIZERS)
+    model = torch.nn.Linear(2, 3)
+    make = {name: OPTIMIZERS[name].factory for name in ("gefen4-noclip", "gefen4")}
+    group = make["gefen4-noclip"](model, 1e-3, 1e-2).param_groups[0]
     assert group["update_clip"] is None and group["momentum_bits"] == 4
-    assert OPTIMIZERS["gefen4"](params, 1e-3).param_groups[0]["update_clip"] == "auto"
+    assert make["gefen4"](model, 1e-3, 1e-2).param_groups[0]["update_clip"] == "auto"
 
 
 @pytest.mark.parametrize(
@@ -177,7 +183,7 @@ def test_compare_peers_mlp_table_and_files(tmp_path, capsys):
         tmp_path,
         capsys,
         *("--model", "mlp", "--steps", "3", "--batch-size", "8"),
-        *("--peers", "adamw-fused,gefen-8bit"),
+        *("--peers", "adamw-fused,gefen8"),
     )
     md = (out / "compare.md").read_text()
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -189,9 +195,7 @@ def test_compare_peers_mlp_table_and_files(tmp_path, capsys):
     assert header == PEER_COLUMNS
     # The baseline of the ratio is run even when not asked for, first.
     names = [r["name"] for r in record["results"]]
-    assert (
-        names == [r[0] for r in body] == ["adamw-foreach", "adamw-fused", "gefen-8bit"]
-    )
+    assert names == [r[0] for r in body] == ["adamw-foreach", "adamw-fused", "gefen8"]
     results = {r["name"]: r for r in record["results"]}
     assert all(r["status"] == "ok" for r in results.values()), results
     base = results["adamw-foreach"]
@@ -210,12 +214,12 @@ def test_compare_peers_mlp_table_and_files(tmp_path, capsys):
         assert results[name]["state_bytes_per_param"] == pytest.approx(
             8 + 4 * 6 / n_params
         )
-    assert 0.9 < results["gefen-8bit"]["state_bytes_per_param"] < 1.5
+    assert 0.9 < results["gefen8"]["state_bytes_per_param"] < 1.5
     # Same init, same batches: foreach and fused AdamW are one algorithm.
     assert results["adamw-fused"]["train_losses"] == pytest.approx(
         base["train_losses"], rel=1e-5
     )
-    assert results["gefen-8bit"]["train_losses"][0] == base["train_losses"][0]
+    assert results["gefen8"]["train_losses"][0] == base["train_losses"][0]
 
 
 def test_compare_precond_table_target_and_unavailable(tmp_path, capsys, monkeypatch):
@@ -279,8 +283,8 @@ def test_compare_precond_table_target_and_unavailable(tmp_path, capsys, monkeypa
 @pytest.mark.parametrize(
     "argv, needles",
     [
-        (["--peers", "adamw-fused,nope"], ["nope", "gefen-8bit", "adafactor"]),
-        (["--peers", "gefen-8bit,gefen-8bit"], ["twice"]),
+        (["--peers", "adamw-fused,nope"], ["nope", "gefen8", "adafactor"]),
+        (["--peers", "gefen8,gefen8"], ["twice"]),
         (["--precond", "kfac,nope"], ["nope", "shampoo", "kfac"]),
         (["--precond", ""], ["preconditioning method", "kfac"]),
         (["--peers", "--precond", "kfac"], ["not allowed with"]),

@@ -14,9 +14,12 @@ import statistics
 
 import pytest
 
-from leantrain import compare_curvature, compare_depth, compare_jobs, compare_memory
 from leantrain.cli import main
-from leantrain.compare_memory import verdict
+from leantrain.compare import curvature as compare_curvature
+from leantrain.compare import depth as compare_depth
+from leantrain.compare import jobs as compare_jobs
+from leantrain.compare import memory as compare_memory
+from leantrain.compare.memory import verdict
 from leantrain.layer_parallel import LayerTimes
 from leantrain.layer_parallel.simulate import CommModel, simulate
 from leantrain.layer_parallel.timing import TwoProcessTiming
@@ -172,7 +175,7 @@ def test_curvature_axis_steps_and_seconds_to_target(tiny, tmp_path, capsys):
 
 
 def test_curvature_marks_a_finite_divergence():
-    from leantrain.compare_precond import MethodResult
+    from leantrain.compare.precond import MethodResult
 
     def run(name, losses):
         return MethodResult(

@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from leantrain._report import moving_average
-from leantrain.compare import Task
-from leantrain.compare_peers import peers_table, train_peer
-from leantrain.compare_precond import steps_to_reach
+from leantrain.compare.measure import measured_step, state_nbytes
+from leantrain.compare.optimizers import OPTIMIZERS, PEERS, OptimizerEntry
+from leantrain.compare.peers import peers_table, train_peer
+from leantrain.compare.precond import steps_to_reach
+from leantrain.compare.report import moving_average
+from leantrain.compare.tasks import Task
 from leantrain.optim import Gefen, optimizer_state_nbytes
-from leantrain.peers import PEERS, Peer, measured_step, state_nbytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,11 +133,15 @@ def _not_installed(model, lr, weight_decay):
 
 
 def test_missing_and_diverging_peers_are_rows_saying_failed(monkeypatch):
-    monkeypatch.setitem(PEERS, "ghost", Peer(_not_installed, "not installed"))
     monkeypatch.setitem(
-        PEERS,
+        OPTIMIZERS, "ghost", OptimizerEntry(_not_installed, "ghost", "not installed")
+    )
+    monkeypatch.setitem(
+        OPTIMIZERS,
         "inf-lr",
-        Peer(lambda m, lr, wd: torch.optim.SGD(m.parameters(), lr=math.inf), "x"),
+        OptimizerEntry(
+            lambda m, lr, wd: torch.optim.SGD(m.parameters(), lr=math.inf), "inf", "x"
+        ),
     )
     task = _tiny_task()
     results = [
@@ -154,9 +159,10 @@ def test_missing_and_diverging_peers_are_rows_saying_failed(monkeypatch):
 
 
 def test_every_registered_peer_has_a_factory_and_a_note():
-    assert {"adamw-foreach", "adamw-fused", "gefen-8bit", "gefen-4bit"} <= set(PEERS)
-    for name, peer in PEERS.items():
-        assert callable(peer.factory) and peer.note, name
+    assert {"adamw-foreach", "adamw-fused", "gefen8", "gefen4"} <= set(PEERS)
+    assert set(PEERS) <= set(OPTIMIZERS)
+    for name, entry in OPTIMIZERS.items():
+        assert callable(entry.factory) and entry.note and entry.label, name
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 7])
@@ -184,3 +190,4 @@ def test_benchmark_imports_the_registry_from_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look it up
     spec.loader.exec_module(module)
     assert module.PEERS is PEERS and module.state_nbytes is state_nbytes
+    assert module.OPTIMIZERS is OPTIMIZERS

@@ -71,6 +71,8 @@ def test_readme_setup_gives_two_commands():
     commands = setup_commands()
     assert len(commands) == 2
     assert "leantrain compare" in commands[0] and "pytest" in commands[1]
+    # the main job installs the extra the command needs (tqdm, matplotlib, sklearn)
+    assert '-e ".[compare]"' in commands[0]
 
 
 def test_ci_runs_the_readme_test_command_in_a_fresh_venv():
@@ -80,7 +82,7 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_venv():
     ci = (README.parent / ".ci" / "run").read_text()
     ci_lines = [line.strip() for line in ci.splitlines()]
     assert any(line.startswith(tests) for line in ci_lines), tests  # same line
-    install = re.match(r"(pip install \S+) -e \.", main_job)
+    install = re.match(r'(pip install \S+) -e "?\.', main_job)
     assert install, main_job
     assert tests.startswith(install[1] + ' -e ".[test]"')  # same torch, same way
     assert re.search(r"python3 -m venv ", ci)  # a new venv every run

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from leantrain._optional import optional_import
+
 
 @dataclass(frozen=True)
 class ImageSplit:
@@ -66,14 +68,17 @@ def load_digits(val_fraction: float = 0.2, seed: int = 0) -> ImageSplit:
         val_fraction: fraction of images held out (default 360 of 1797).
         seed: seed of the fixed shuffle before the split.
 
+    Raises:
+        ImportError: scikit-learn is not installed: it comes with
+            ``pip install "leantrain[compare]"``.
+
     Example:
         >>> d = load_digits()
         >>> d.train_x.shape[1:], d.num_classes
         (torch.Size([1, 8, 8]), 10)
     """
-    from sklearn.datasets import load_digits as _sk_load_digits
-
-    bunch = _sk_load_digits()
+    datasets = optional_import("sklearn.datasets", "compare")
+    bunch = datasets.load_digits()
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.long)
     tx, ty, vx, vy = split_fixed(x, y, val_fraction, seed)
@@ -90,8 +95,10 @@ def load_image_folder(
 
     Raises:
         ValueError: if the folder is missing, has no PNG files, or sizes differ.
+        ImportError: matplotlib (which reads the PNGs) is not installed: it comes
+            with ``pip install "leantrain[compare]"``.
     """
-    import matplotlib.image as mpimg
+    mpimg = optional_import("matplotlib.image", "compare")
 
     root = Path(path)
     if not root.is_dir():

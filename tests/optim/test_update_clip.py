@@ -265,7 +265,17 @@ def test_4bit_default_within_3_percent_of_adamw_on_the_digits_mlp(monkeypatch):
     monkeypatch.setitem(
         compare.OPTIMIZERS,
         "gefen4-noclip",
-        lambda params, lr: Gefen(params, lr=lr, momentum_bits=4, update_clip=None),
+        compare.OptimizerEntry(
+            lambda model, lr, wd: Gefen(
+                model.parameters(),
+                lr=lr,
+                weight_decay=wd,
+                momentum_bits=4,
+                update_clip=None,
+            ),
+            "Gefen 4-bit, no clip",
+            "update_clip=None",
+        ),
     )
     logs = {"gefen4": [], "gefen4-noclip": []}
     for seed in range(4):

@@ -19,6 +19,9 @@ from typing import Any
 import torch
 
 import leantrain
+from leantrain._optional import optional_import
+
+EXTRA = "compare"  # the extra of leantrain that installs tqdm and matplotlib
 
 
 def versions() -> dict[str, str]:
@@ -50,12 +53,17 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 def progress_bar(total: int, desc: str, unit: str = "step"):  # -> tqdm
     """A progress bar of ``total`` ``unit``s on stderr (stdout holds the table),
     labelled ``desc`` (tqdm is imported late: only the CLI needs it)."""
-    from tqdm import tqdm
-
+    tqdm = optional_import("tqdm", EXTRA).tqdm
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
 
 
-# Marks a table row timed while the machine was loaded (see compare_jobs.RunStats).
+def pyplot():  # -> matplotlib.pyplot
+    """matplotlib's pyplot, drawing to files only (the Agg backend: no display)."""
+    optional_import("matplotlib", EXTRA).use("Agg")
+    return optional_import("matplotlib.pyplot", EXTRA)
+
+
+# Marks a table row timed while the machine was loaded (see jobs.RunStats).
 UNDER_LOAD = "†"
 
 

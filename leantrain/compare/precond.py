@@ -29,17 +29,18 @@ from pathlib import Path
 
 import torch
 
-from leantrain._report import (
+from leantrain.compare.report import (
     failed_row,
     fmt,
     markdown_table,
     moving_average,
     publish,
+    pyplot,
     torch_threads,
     train_each,
     versions,
 )
-from leantrain.compare import Task, evaluate, resolve_defaults
+from leantrain.compare.tasks import Task, evaluate, resolve_defaults
 from leantrain.precond import GradientMaker
 from leantrain.precond.registry import (
     PRECOND_METHODS,
@@ -177,11 +178,7 @@ def write_precond_plot(
     results: Sequence[MethodResult], target: float, path: Path
 ) -> None:
     """Loss curves with the target line, and a bar chart of step time / SGD's."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ok = [r for r in results if r.status == "ok"]
     sgd = next((r for r in ok if r.name == "sgd"), None)
     fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from leantrain._report import fmt, mark_under_load, markdown_table
-from leantrain.compare_jobs import Job
+from leantrain.compare.jobs import Job
+from leantrain.compare.report import fmt, mark_under_load, markdown_table
 from leantrain.layer_parallel.simulate import CommModel, simulate
 from leantrain.layer_parallel.timing import StackSpec, measure_two_process
 

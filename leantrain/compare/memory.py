@@ -7,12 +7,12 @@ gives one *paired* ratio: a Gefen run's validation loss over AdamW's. The
 run-to-run spread is the spread of these ratios over the seeds, measured in the same
 comparison. A Gefen row's verdict is worded from the geometric mean of its ratios
 and their 95 % interval (Student t on the log ratios,
-:func:`leantrain._stats.ratio_interval`): "within run-to-run noise" when the
+:func:`leantrain.compare.stats.ratio_interval`): "within run-to-run noise" when the
 interval holds 1, otherwise "x % worse (or better), outside it". The model and the
-schedule are those of the long-run benchmark (``benchmarks/gefen_long.py``), at a
-third of its length: by then the loss has left its first plateau and the paired
-ratios of one setting stay within about 1 % of each other, so three seeds resolve a
-gap of about 1.5 %.
+learning rate's warm-up and decay are those of the long-run benchmark
+(``benchmarks/gefen_long.py``), at a third of its length: by then the loss has
+left its first plateau and the paired ratios of one setting stay within about 1 %
+of each other, so three seeds resolve a gap of about 1.5 %.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from leantrain._report import fmt, mark_under_load, markdown_table
-from leantrain._schedule import warmup_cosine
-from leantrain._stats import ratio_interval
-from leantrain.compare import OPTIMIZER_LABELS, RunResult, Task, train_one
-from leantrain.compare_jobs import Job
+from leantrain.compare.jobs import Job
+from leantrain.compare.lr import warmup_cosine
+from leantrain.compare.optimizers import label
+from leantrain.compare.report import fmt, mark_under_load, markdown_table
+from leantrain.compare.stats import ratio_interval
+from leantrain.compare.tasks import Task
+from leantrain.compare.training import RunResult, train_one
 from leantrain.data import TokenBatches, fixed_token_batches, load_corpus
 from leantrain.models import GPT, GPTConfig, lm_loss
 
@@ -54,7 +56,7 @@ class MemoryConfig:
     lr: float = 1e-3
     val_batches: int = 16  # of 16 windows each
     data: str = "stdlib"
-    seconds_per_step: float = 0.02  # a rough cost, to schedule the longest first
+    seconds_per_step: float = 0.02  # a rough cost, to run the longest first
 
 
 DEFAULT = MemoryConfig()
@@ -117,7 +119,7 @@ def train_memory_run(
         config.steps,
         config.lr,
         lambda _loss: progress(),
-        schedule=warmup_cosine(config.warmup, config.steps),
+        lr_factor=warmup_cosine(config.warmup, config.steps),
     )
 
 
@@ -135,7 +137,7 @@ def jobs(config: MemoryConfig) -> list[Job]:
     return [
         Job(
             key=("memory", name, seed),
-            label=f"{OPTIMIZER_LABELS.get(name, name)} seed {seed}",
+            label=f"{label(name)} seed {seed}",
             fn=train_memory_run,
             args=(config, name, seed),
             ticks=config.steps,
@@ -227,7 +229,7 @@ def table(summary: dict, config: MemoryConfig) -> str:
         timed = any(("memory", r.name, s) in under_load for s in config.seeds)
         body.append(
             [
-                mark_under_load(OPTIMIZER_LABELS.get(r.name, r.name), timed),
+                mark_under_load(label(r.name), timed),
                 fmt(r.state_bytes_per_param, ".3f"),
                 fmt(r.state_bytes_per_param / base.state_bytes_per_param, ".3f"),
                 fmt(r.step_ms, ".2f"),
@@ -254,7 +256,7 @@ def settings(config: MemoryConfig, summary: dict) -> str:
 def describe(config: MemoryConfig) -> str:
     """What the axis runs, for ``leantrain compare memory --help``."""
     c = config
-    names = ", ".join(OPTIMIZER_LABELS.get(n, n) for n in c.optimizers)
+    names = ", ".join(label(n) for n in c.optimizers)
     return (
         f"AdamW against Gefen: {names} each train a GPT (d_model {c.d_model}, "
         f"{c.n_layer} block(s), {c.n_head} heads, context {c.block_size}) on the "
@@ -307,10 +309,7 @@ def plot(ax, summary: dict) -> None:
                 capsize=4,
             )
     ax.set_ylim(lo - pad, hi + pad)
-    labels = [
-        f"{OPTIMIZER_LABELS.get(r.name, r.name)}\n{r.state_bytes_per_param:.2f} B/param"
-        for r in rows
-    ]
+    labels = [f"{label(r.name)}\n{r.state_bytes_per_param:.2f} B/param" for r in rows]
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set(
         ylabel="val loss / AdamW's (same seed)",

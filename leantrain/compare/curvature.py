@@ -2,7 +2,7 @@
 
 AdamW and each preconditioning method (feeding ``SGD(momentum=0.9)`` with the
 registry's learning rate, as in ``leantrain compare --precond``, whose training loop
-:func:`leantrain.compare_precond.train_method` this reuses) train a copy of the MLP
+:func:`leantrain.compare.precond.train_method` this reuses) train a copy of the MLP
 on the 8x8 digits from the same weights on the same batches. The target is AdamW's
 final training loss (the mean of its last 10 % of steps); the table says for each
 row the first step at which its moving-average training loss reaches the target,
@@ -17,21 +17,21 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-from leantrain._report import (
+from leantrain.compare.jobs import Job
+from leantrain.compare.precond import (
+    MethodResult,
+    steps_to_reach,
+    tail_window,
+    train_method,
+)
+from leantrain.compare.report import (
     failed_row,
     fmt,
     mark_under_load,
     markdown_table,
     moving_average,
 )
-from leantrain.compare import TASKS
-from leantrain.compare_jobs import Job
-from leantrain.compare_precond import (
-    MethodResult,
-    steps_to_reach,
-    tail_window,
-    train_method,
-)
+from leantrain.compare.tasks import TASKS
 from leantrain.precond.registry import PRECOND_METHODS, available_methods
 
 _TASKS: dict = {}  # per process: the task of each (seed, batch size)

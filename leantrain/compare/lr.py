@@ -1,8 +1,8 @@
-"""The learning-rate schedule of the long-run quality measurements: a linear
+"""The learning rate of the long-run quality measurements over training: a linear
 warm-up, then a cosine decay to a floor (a ``LambdaLR`` factor).
 
 Shared by ``leantrain compare``'s memory axis and ``benchmarks/gefen_long.py``, so
-the main job and the long-run benchmark train with the same schedule.
+the main job and the long-run benchmark train with the same learning rates.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``leantrain compare --peers``: leantrain's optimizers against the published peers.
 
-Every optimizer of :data:`leantrain.peers.PEERS` trains a copy of one seeded model
-(``--model gpt|mlp|cnn``, the tasks of :mod:`leantrain.compare`) on the same batches
+Every optimizer asked for (by default :data:`leantrain.compare.optimizers.PEERS`)
+trains a copy of one seeded model (``--model gpt|mlp|cnn``, the tasks of
+:mod:`leantrain.compare.tasks`) on the same batches
 in the same order, and the table says, per optimizer: state bytes per parameter,
 the extra resident memory during ``step()``, the median step time and its ratio to
 AdamW (foreach) of the same run, the first step's time and the final validation
@@ -25,21 +26,22 @@ from pathlib import Path
 
 import torch
 
-from leantrain._report import (
+from leantrain.compare.measure import measured_step, state_nbytes
+from leantrain.compare.optimizers import OPTIMIZERS, WEIGHT_DECAY
+from leantrain.compare.report import (
     failed_row,
     fmt,
     markdown_table,
     moving_average,
     publish,
+    pyplot,
     torch_threads,
     train_each,
     versions,
 )
-from leantrain.compare import Task, evaluate, resolve_defaults
-from leantrain.peers import PEERS, measured_step, state_nbytes
+from leantrain.compare.tasks import Task, evaluate, resolve_defaults
 
 BASELINE = "adamw-foreach"
-WEIGHT_DECAY = 1e-2  # AdamW's default, given to every peer
 
 
 @dataclass
@@ -66,13 +68,13 @@ def train_peer(
     task: Task, name: str, steps: int, lr: float, progress: Callable[[], None]
 ) -> PeerResult:
     """Train a copy of ``task.model`` with peer ``name``; a failure is a status."""
-    result = PeerResult(name, note=PEERS[name].note)
+    result = PeerResult(name, note=OPTIMIZERS[name].note)
     gc.collect()  # once per run, so one peer's garbage does not land in the next
     model = copy.deepcopy(task.model)  # same initial weights for every peer
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     try:
-        optimizer = PEERS[name].factory(model, lr, WEIGHT_DECAY)
+        optimizer = OPTIMIZERS[name].factory(model, lr, WEIGHT_DECAY)
         times, peaks = [], []
         for i, batch in zip(range(steps), task.batches(), strict=False):
             optimizer.zero_grad(set_to_none=True)
@@ -136,11 +138,7 @@ def peers_table(results: Sequence[PeerResult]) -> str:
 
 def write_peers_plot(results: Sequence[PeerResult], path: Path) -> None:
     """Loss curves of every peer that ran and a bar chart of state bytes/param."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ok = [r for r in results if r.status == "ok"]
     fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in ok:

@@ -1,10 +1,10 @@
-"""The warm-up + cosine factor shared by the memory axis and the long-run benchmark."""
+"""warmup_cosine: the learning rate of the memory axis and the long-run benchmark."""
 
 import math
 
 import pytest
 
-from leantrain._schedule import warmup_cosine
+from leantrain.compare.lr import warmup_cosine
 
 
 def test_warmup_then_cosine_to_the_floor():

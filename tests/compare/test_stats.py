@@ -1,11 +1,11 @@
-"""leantrain._stats.ratio_interval against a hand computation of the t interval."""
+"""compare.stats.ratio_interval against a hand computation of the t interval."""
 
 import math
 import statistics
 
 import pytest
 
-from leantrain._stats import ratio_interval
+from leantrain.compare.stats import ratio_interval
 
 
 def test_geometric_mean_with_a_student_t_interval():

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from leantrain._report import progress_bar
+from leantrain.compare.report import progress_bar
 
 _TICKS = None  # the worker's queue to the progress bar (set by _init_worker)
 

@@ -1,14 +1,14 @@
 """``leantrain compare [memory|curvature|depth]``: the three axes in one report.
 
-Each axis (:mod:`leantrain.compare_memory`, :mod:`leantrain.compare_curvature`,
-:mod:`leantrain.compare_depth`) turns its configuration into independent runs
-(:class:`~leantrain.compare_jobs.Job`); all runs of the axes asked for go to one
+Each axis (:mod:`leantrain.compare.memory`, :mod:`leantrain.compare.curvature`,
+:mod:`leantrain.compare.depth`) turns its configuration into independent runs
+(:class:`~leantrain.compare.jobs.Job`); all runs of the axes asked for go to one
 pool of worker processes, one torch thread each, under one progress bar. Then every
 axis prints its table, and ``--out`` gets ``compare.md`` (a section per axis),
 ``compare.json`` (every number) and ``compare.png`` (a panel per axis). Every axis
 reports the 1-minute load average when its first run started and when its last one
 ended; a row timed while the load average was above the CPU cores of the machine
-(:func:`~leantrain.compare_jobs.load_limit`) carries the marker ``†`` and a
+(:func:`~leantrain.compare.jobs.load_limit`) carries the marker ``†`` and a
 footnote.
 
 Extending: an axis is one :class:`Axis` entry in :data:`AXES`.
@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leantrain import compare_curvature, compare_depth, compare_memory
-from leantrain._report import UNDER_LOAD, versions
-from leantrain.compare_jobs import (
+from leantrain.compare import curvature, depth, memory
+from leantrain.compare.jobs import (
     Job,
     RunStats,
     load_average,
@@ -38,6 +37,8 @@ from leantrain.compare_jobs import (
     run_jobs,
     runs_description,
 )
+from leantrain.compare.optimizers import label
+from leantrain.compare.report import UNDER_LOAD, pyplot, versions
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ class Axis:
     verdict: Callable[[dict, Any], str] = lambda summary, config: ""
 
 
-def _memory_config(args: argparse.Namespace) -> compare_memory.MemoryConfig:
-    default = compare_memory.DEFAULT  # read at call time (tests shrink it)
+def _memory_config(args: argparse.Namespace) -> memory.MemoryConfig:
+    default = memory.DEFAULT  # read at call time (tests shrink it)
     seeds = tuple(args.seed + s for s in default.seeds)
     return dataclasses.replace(default, seeds=seeds)
 
@@ -73,10 +74,10 @@ def _memory_verdict(summary: dict, config) -> str:
     lines = []
     for r in summary["rows"]:
         if r.name != "adamw":
-            label = compare_memory.OPTIMIZER_LABELS.get(r.name, r.name)
+            name = label(r.name)
             per_seed = ", ".join(f"{v:.3f}" for v in r.val_ratios)
             lines.append(
-                f"{label}: {r.state_bytes_per_param:.2f} B/param, val loss "
+                f"{name}: {r.state_bytes_per_param:.2f} B/param, val loss "
                 f"{r.val_ratio:.3f}x AdamW [{r.low:.3f}, {r.high:.3f}] "
                 f"(per seed {per_seed}): {r.verdict}."
             )
@@ -107,56 +108,50 @@ AXES: dict[str, Axis] = {
     "memory": Axis(
         title="memory: AdamW against Gefen 8-bit and 4-bit",
         config=_memory_config,
-        describe=compare_memory.describe,
+        describe=memory.describe,
         seed_help="the first of the seeds: --seed, --seed + 1, --seed + 2",
-        jobs=compare_memory.jobs,
-        summarise=compare_memory.summarise,
-        settings=compare_memory.settings,
-        explanation=lambda summary: compare_memory.EXPLANATION,
-        table=compare_memory.table,
-        record=compare_memory.record,
-        plot=lambda ax, summary, config: compare_memory.plot(ax, summary),
+        jobs=memory.jobs,
+        summarise=memory.summarise,
+        settings=memory.settings,
+        explanation=lambda summary: memory.EXPLANATION,
+        table=memory.table,
+        record=memory.record,
+        plot=lambda ax, summary, config: memory.plot(ax, summary),
         verdict=_memory_verdict,
     ),
     "curvature": Axis(
         title="curvature: AdamW against K-FAC and Shampoo",
-        config=lambda args: dataclasses.replace(
-            compare_curvature.DEFAULT, seed=args.seed
-        ),
-        describe=compare_curvature.describe,
+        config=lambda args: dataclasses.replace(curvature.DEFAULT, seed=args.seed),
+        describe=curvature.describe,
         seed_help="the MLP's initial weights and the order of the batches",
-        jobs=compare_curvature.jobs,
-        summarise=compare_curvature.summarise,
-        settings=compare_curvature.settings,
-        explanation=compare_curvature.explanation,
-        table=lambda summary, config: compare_curvature.table(summary),
-        record=compare_curvature.record,
-        plot=lambda ax, summary, config: compare_curvature.plot(ax, summary),
+        jobs=curvature.jobs,
+        summarise=curvature.summarise,
+        settings=curvature.settings,
+        explanation=curvature.explanation,
+        table=lambda summary, config: curvature.table(summary),
+        record=curvature.record,
+        plot=lambda ax, summary, config: curvature.plot(ax, summary),
         verdict=_curvature_verdict,
     ),
     "depth": Axis(
         title="depth: the serial stack against LayerParallel",
-        config=lambda args: dataclasses.replace(compare_depth.DEFAULT, seed=args.seed),
-        describe=compare_depth.describe,
+        config=lambda args: dataclasses.replace(depth.DEFAULT, seed=args.seed),
+        describe=depth.describe,
         seed_help="the GPT's initial weights and the batch",
-        jobs=compare_depth.jobs,
-        summarise=compare_depth.summarise,
-        settings=compare_depth.settings,
-        explanation=lambda summary: compare_depth.EXPLANATION,
-        table=compare_depth.table,
-        record=compare_depth.record,
-        plot=compare_depth.plot,
-        verdict=compare_depth.verdict,
+        jobs=depth.jobs,
+        summarise=depth.summarise,
+        settings=depth.settings,
+        explanation=lambda summary: depth.EXPLANATION,
+        table=depth.table,
+        record=depth.record,
+        plot=depth.plot,
+        verdict=depth.verdict,
     ),
 }
 
 
 def _write_plot(panels: list[tuple[Axis, dict, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5))
     axes = [axes] if len(panels) == 1 else list(axes)
     for ax, (axis, summary, config) in zip(axes, panels, strict=True):
