@@ -17,9 +17,8 @@ import pytest
 from leantrain import compare_curvature, compare_depth, compare_jobs, compare_memory
 from leantrain.cli import main
 from leantrain.compare_memory import verdict
-from leantrain.layer_parallel import LayerTimes
-from leantrain.layer_parallel.simulate import CommModel, simulate
-from leantrain.layer_parallel.timing import TwoProcessTiming
+from leantrain.layer_parallel.costs import CommModel, LayerTimes, simulate
+from leantrain.layer_parallel.costs.timing import TwoProcessTiming
 from leantrain.models import GPT, GPTConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
