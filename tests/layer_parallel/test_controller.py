@@ -169,7 +169,8 @@ def test_model_without_layer_parallel_is_rejected():
 
 
 @pytest.mark.parametrize(
-    "name", ["controller", "costs.simulate", "costs.cycle_work", "mesh"]
+    "name",
+    ["controller", "costs.simulate", "costs.cycle_work", "costs.projection", "mesh"],
 )
 def test_docstring_examples_run(name):
     mod = importlib.import_module(f"leantrain.layer_parallel.{name}")

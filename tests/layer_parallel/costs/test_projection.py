@@ -126,3 +126,21 @@ def test_outside_work_is_charged_to_serial_mgrit_and_pipeline():
     assert cell.pipeline == pytest.approx(best)
     with pytest.raises(ValueError, match="keys of times_by_mb"):
         project([64], [4], times, [s], CommModel(), 0.0, {1: out[1]})
+
+
+def test_setting_parses_a_benchmark_spec_and_gives_layer_parallel_options():
+    serial_fwd = MGRITSetting.parse("2,4,serial,1")
+    assert serial_fwd == MGRITSetting(2, 4, 0, 1)
+    assert serial_fwd.options() == dict(
+        levels=2, cf=4, bwd_iters=1, forward_solver="serial"
+    )
+    assert MGRITSetting.parse("3,2,2,1").options() == dict(
+        levels=3, cf=2, bwd_iters=1, fwd_iters=2
+    )
+    for spec, match in [
+        ("2,4,1", "expected levels,cf,fwd_iters,bwd_iters"),
+        ("2,x,1,1", "every field must be an integer"),
+        ("1,4,1,1", "needs levels >= 2"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            MGRITSetting.parse(spec)
