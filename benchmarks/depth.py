@@ -8,10 +8,9 @@ trains ``--steps`` steps on the same stdlib-text batches:
 * serial: one process, one thread, plain autograd (rank 1 idles in a barrier);
 * pipeline: ``torch.distributed.pipelining`` on 2 gloo processes, GPipe with 1, 2, 4,
   8 micro-batches and 1F1B with 2, 4, 8 (1F1B needs M >= stages);
-* layer-parallel: ``LayerParallel(...).distribute()`` on the same 2 processes, for
+* layer-parallel: ``LayerParallel`` parallelized over the same 2 processes, for
   each ``--lp`` setting ``levels,cf,fwd_iters,bwd_iters`` (``fwd_iters`` ``serial``:
-  the exact serial forward with the MGRIT adjoint, ``forward_solver="serial"``,
-  only where LayerParallel has that option).
+  the exact serial forward with the MGRIT adjoint, ``forward_solver="serial"``).
 
 Each run reports its median step time (steps after the first) as a ratio to serial,
 the loss of the trained weights on a held-out batch (evaluated exactly, serially:
@@ -43,7 +42,6 @@ import ctypes
 import dataclasses
 import datetime
 import gc
-import inspect
 import json
 import os
 import re
@@ -57,27 +55,30 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from leantrain.data import TokenBatches, load_stdlib_text  # noqa: E402
-from leantrain.layer_parallel import LayerParallel  # noqa: E402
-from leantrain.layer_parallel.pipeline import (  # noqa: E402
+from leantrain.compare.depth_plot import plot_projection
+from leantrain.compare.pipeline_baseline import (
     GPTPipeline,
     check_pipeline_settings,
 )
-from leantrain.layer_parallel.projection import (  # noqa: E402
+from leantrain.data import TokenBatches, load_stdlib_text
+from leantrain.layer_parallel import (
+    LayerParallel,
+    ParallelDims,
+    parallelize,
+)
+from leantrain.layer_parallel.costs.projection import (
     MGRITSetting,
-    plot_projection,
     project,
     projection_table,
 )
-from leantrain.layer_parallel.simulate import (  # noqa: E402
+from leantrain.layer_parallel.costs.simulate import (
     CommModel,
     LayerTimes,
     OutsideTimes,
 )
-from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline  # noqa: E402
-from leantrain.layer_parallel.timing import LayerSampler, OutsideSampler  # noqa: E402
-from leantrain.models import GPT, GPTConfig, lm_loss  # noqa: E402
+from leantrain.layer_parallel.costs.simulate_pipeline import simulate_pipeline
+from leantrain.layer_parallel.costs.timing import LayerSampler, OutsideSampler, ping
+from leantrain.models import GPT, GPTConfig, lm_loss
 
 RANKS = 2
 PROJECT_DEPTHS = [16, 32, 64, 128, 256, 512, 1024]
@@ -101,40 +102,9 @@ class Run:
         return f"{'GPipe' if self.kind == 'gpipe' else '1F1B'} M={self.micro_batches}"
 
 
-def has_serial_forward() -> bool:
-    """Whether this LayerParallel has ``forward_solver`` (exact serial forward)."""
-    return "forward_solver" in inspect.signature(LayerParallel).parameters
-
-
 def parse_lp(spec: str) -> MGRITSetting:
-    """``"levels,cf,fwd_iters,bwd_iters"``; ``fwd_iters`` may be ``serial``.
-
-    Raises:
-        ValueError: naming the spec when it is malformed, or ``serial`` when this
-            LayerParallel has no ``forward_solver`` option.
-    """
-    parts = spec.split(",")
-    if len(parts) != 4:
-        raise ValueError(
-            f"--lp {spec!r}: expected levels,cf,fwd_iters,bwd_iters (e.g. 2,4,1,1)"
-        )
-    if parts[2] == "serial":
-        if not has_serial_forward():
-            raise ValueError(
-                f"--lp {spec!r}: a serial forward needs LayerParallel(forward_solver="
-                "'serial'), which this leantrain's LayerParallel does not have"
-            )
-        parts[2] = "0"
-    try:
-        levels, cf, fwd, bwd = (int(v) for v in parts)
-    except ValueError:
-        raise ValueError(f"--lp {spec!r}: every field must be an integer") from None
-    if levels < 2 or cf < 2 or fwd < 0 or bwd < 1:
-        raise ValueError(
-            f"--lp {spec!r}: needs levels >= 2, cf >= 2, fwd_iters >= 1 (or serial), "
-            "bwd_iters >= 1"
-        )
-    return MGRITSetting(levels, cf, fwd, bwd)
+    """``"levels,cf,fwd_iters,bwd_iters"``; ``fwd_iters`` may be ``serial``."""
+    return MGRITSetting.parse(spec)
 
 
 def check_settings(args: argparse.Namespace) -> list[Run]:
@@ -202,12 +172,8 @@ def _train(run: Run, model: GPT, batches, args, sample=None) -> list[float]:
     if run.kind == "serial":
         params, step = list(model.parameters()), None
     elif run.kind == "lp":
-        kw = dict(levels=run.lp.levels, cf=run.lp.cf, bwd_iters=run.lp.bwd_iters)
-        if run.lp.fwd_iters == 0:
-            kw["forward_solver"] = "serial"
-        else:
-            kw["fwd_iters"] = run.lp.fwd_iters
-        model.stack = LayerParallel(model.stack, **kw).distribute()
+        model.stack = LayerParallel(model.stack, **run.lp.options())
+        parallelize(model, ParallelDims(lp=RANKS).build_mesh())
         # foreign layers keep grad None, so AdamW leaves them alone
         params, step = list(model.parameters()), None
     else:
@@ -318,27 +284,11 @@ def _fields(t) -> tuple[float, ...]:
     )
 
 
-def _ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
-    """Half the median round trip of ``t`` between this rank and ``peer``."""
-    out = []
-    for i in range(reps + 1):
-        t0 = time.perf_counter()
-        if first:
-            dist.send(t, peer)
-            dist.recv(t, peer)
-        else:
-            dist.recv(t, peer)
-            dist.send(t, peer)
-        if i:
-            out.append((time.perf_counter() - t0) / 2)
-    return statistics.median(out)
-
-
 def _comm_model() -> CommModel:
     rank = dist.get_rank()
-    lat = _ping(1 - rank, torch.zeros(2), rank == 0, 20)
+    lat = ping(1 - rank, torch.zeros(2), rank == 0, 20)
     big = torch.zeros(1 << 20)
-    big_t = _ping(1 - rank, big, rank == 0, 5)
+    big_t = ping(1 - rank, big, rank == 0, 5)
     # a loaded machine can time the small message slower than the big one
     return CommModel(
         latency=lat, bandwidth=big.numel() * 4 / max(big_t - lat, big_t / 2)
@@ -648,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.depths, args.d, args.heads, args.tokens = [8, 16], 32, 2, 16
         args.steps, args.layer_reps = 3, 3
-    if has_serial_forward() and not any(",serial," in s for s in args.lp):
+    if not any(",serial," in s for s in args.lp):
         args.lp.append("2,4,serial,1")
     runs = check_settings(args)
     for spec in args.project_lp:

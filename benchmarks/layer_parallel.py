@@ -30,11 +30,14 @@ from leantrain.layer_parallel import (
     MGRITOptions,
     StepPropagator,
     mgrit_solve,
+)
+from leantrain.layer_parallel.costs import (
+    LayerTimes,
+    simulate,
     skipped_cycle_work,
     solve_time,
     vcycle_work,
 )
-from leantrain.layer_parallel.simulate import LayerTimes, simulate
 from leantrain.models.blocks import TransformerBlock
 
 

@@ -3,9 +3,9 @@ against what the schedule simulator charges for each phase.
 
 The GPT of ``benchmarks/depth.py`` (d_model 128, 4 heads, batch 8, 64 tokens, fp32,
 h = 1/N, AdamW 1e-3 on stdlib text) trains ``--steps`` steps per ``--lp`` setting on
-2 gloo processes x 1 thread, with :func:`leantrain.layer_parallel.phases.
+2 gloo processes x 1 thread, with :func:`leantrain.layer_parallel.costs.phase_timer.
 profile_phases` active; the first step is a warm-up. Between the settings both
-processes sample the layer times (:class:`~leantrain.layer_parallel.timing.
+processes sample the layer times (:class:`~leantrain.layer_parallel.costs.timing.
 LayerSampler`) and the work outside the stack (:class:`~leantrain.layer_parallel.
 timing.OutsideSampler`), so all of it sees the same load. For each setting and rank
 the table gives per step: the calls, exclusive wall and thread-CPU ms of each phase,
@@ -23,41 +23,45 @@ import datetime
 import os
 import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from depth import _model, parse_lp  # noqa: E402
-
-from leantrain.data import TokenBatches, load_stdlib_text  # noqa: E402
-from leantrain.layer_parallel import LayerParallel  # noqa: E402
-from leantrain.layer_parallel.phases import (  # noqa: E402
+from leantrain.data import TokenBatches, load_stdlib_text
+from leantrain.layer_parallel import (
+    LayerParallel,
+    ParallelDims,
+    parallelize,
+)
+from leantrain.layer_parallel.costs.phase_timer import (
     PhaseTimer,
     charged,
     profile_phases,
 )
-from leantrain.layer_parallel.projection import MGRITSetting  # noqa: E402
-from leantrain.layer_parallel.simulate import CommModel  # noqa: E402
-from leantrain.layer_parallel.timing import LayerSampler, OutsideSampler, ping  # noqa: E402
-from leantrain.models import lm_loss  # noqa: E402
+from leantrain.layer_parallel.costs.projection import MGRITSetting
+from leantrain.layer_parallel.costs.simulate import CommModel
+from leantrain.layer_parallel.costs.timing import LayerSampler, OutsideSampler, ping
+from leantrain.models import GPT, GPTConfig, lm_loss
 
 
-def _lp_kwargs(s: MGRITSetting) -> dict:
-    kw = dict(levels=s.levels, cf=s.cf, bwd_iters=s.bwd_iters)
-    if s.fwd_iters == 0:
-        kw["forward_solver"] = "serial"
-    else:
-        kw["fwd_iters"] = s.fwd_iters
-    return kw
+def _model(args, depth: int) -> GPT:
+    torch.manual_seed(0)  # identical initial weights on every rank and run
+    cfg = GPTConfig(
+        n_layer=depth,
+        d_model=args.d,
+        n_head=args.heads,
+        block_size=args.tokens,
+        t_final=1.0,
+    )
+    return GPT(cfg)
 
 
 def _run(args, setting: MGRITSetting, batches) -> tuple[PhaseTimer, list[float]]:
     model = _model(args, args.depth)
-    model.stack = LayerParallel(model.stack, **_lp_kwargs(setting)).distribute()
+    model.stack = LayerParallel(model.stack, **setting.options())
+    parallelize(model, ParallelDims(lp=dist.get_world_size()).build_mesh())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     timer, steps = PhaseTimer(), []
     with profile_phases(model.stack, timer):
@@ -101,7 +105,7 @@ def _worker(rank: int, port: int, args, queue) -> None:
             sampler.samples.clear()
         out = []
         for spec in args.lp:
-            setting = parse_lp(spec)
+            setting = MGRITSetting.parse(spec)
             timer, steps = _run(args, setting, batches)
             dist.barrier()
             for _ in range(args.samples):

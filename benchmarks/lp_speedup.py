@@ -14,7 +14,7 @@ samples on both), so all of them see the same machine load; each time is the med
 of ``--repeats`` rounds after one warm-up. The per-layer step times (forward without /
 with graph, VJP without / with parameters, measured while both processes are busy)
 and the message cost (latency from 8-byte ping-pongs, bandwidth from 4 MB ones) are
-fed to ``leantrain.layer_parallel.simulate`` to predict the 2-process step.
+fed to ``leantrain.layer_parallel.costs.simulate`` to predict the 2-process step.
 
 Part 2 (projected). ``simulate`` for N = 128 BERT-base blocks (d 768, 12 heads, 128
 tokens, batch 1, fp32; layer times measured here on one thread), P = 2..64, L = 2-3,
@@ -33,8 +33,12 @@ import time
 
 import torch
 
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes, simulate
-from leantrain.layer_parallel.timing import StackSpec, layer_times, measure_two_process
+from leantrain.layer_parallel.costs.simulate import CommModel, LayerTimes, simulate
+from leantrain.layer_parallel.costs.timing import (
+    StackSpec,
+    layer_times,
+    measure_two_process,
+)
 from leantrain.models.blocks import TransformerBlock
 
 

@@ -13,7 +13,8 @@ run takes about 2 s a step there); ``--help``.
 
 The loop every rank runs::
 
-    model.stack = LayerParallel(model.stack, cf=2).distribute()
+    model.stack = LayerParallel(model.stack, cf=2)
+    parallelize(model, ParallelDims(lp=2).build_mesh())   # one chunk per rank
     maker = make_gradient_maker("kfac", model, config={"ignore_modules": ["wpe"]},
                                 lr=LR)                   # the KL clip's learning rate
     opt, ctrl = Gefen(model.parameters(), lr=LR), Controller(model, every=25)
@@ -36,7 +37,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from leantrain.data import TokenBatches, load_stdlib_text
-from leantrain.layer_parallel import Controller, LayerParallel
+from leantrain.layer_parallel import (
+    Controller,
+    LayerParallel,
+    ParallelDims,
+    parallelize,
+)
 from leantrain.models import GPT, GPTConfig, lm_loss
 from leantrain.optim import Gefen
 from leantrain.precond import GradientMaker
@@ -63,7 +69,8 @@ def train(args, *, three_axes: bool, show: bool) -> list[float]:
 
     model = build(args)
     if three_axes:
-        model.stack = LayerParallel(model.stack, cf=2).distribute()
+        model.stack = LayerParallel(model.stack, cf=2)
+        parallelize(model, ParallelDims(lp=dist.get_world_size()).build_mesh())
         maker = make_gradient_maker(
             "kfac",
             model,

@@ -18,6 +18,7 @@ PACKAGES = {
     "leantrain.precond": "docs/precond.md",
     "leantrain.precond.curv": "docs/curvature.md",
     "leantrain.layer_parallel": "docs/layer_parallel.md",
+    "leantrain.layer_parallel.costs": "docs/layer_parallel.md",
     "leantrain.integrations": "docs/huggingface_lightning.md",
     "leantrain.models": "docs/data_and_models.md",
     "leantrain.data": "docs/data_and_models.md",

@@ -31,9 +31,13 @@ from dataclasses import dataclass
 import torch
 
 from leantrain.data import TokenBatches, load_stdlib_text
-from leantrain.layer_parallel.projection import MGRITSetting, project, projection_table
-from leantrain.layer_parallel.simulate import CommModel
-from leantrain.layer_parallel.timing import LayerSampler, OutsideSampler
+from leantrain.layer_parallel.costs.projection import (
+    MGRITSetting,
+    project,
+    projection_table,
+)
+from leantrain.layer_parallel.costs.simulate import CommModel
+from leantrain.layer_parallel.costs.timing import LayerSampler, OutsideSampler
 from leantrain.models import GPT, GPTConfig, lm_loss
 from leantrain.optim import Gefen
 from leantrain.optim.memory import bytes_per_param

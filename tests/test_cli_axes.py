@@ -20,9 +20,8 @@ from leantrain.compare import depth as compare_depth
 from leantrain.compare import jobs as compare_jobs
 from leantrain.compare import memory as compare_memory
 from leantrain.compare.memory import verdict
-from leantrain.layer_parallel import LayerTimes
-from leantrain.layer_parallel.simulate import CommModel, simulate
-from leantrain.layer_parallel.timing import TwoProcessTiming
+from leantrain.layer_parallel.costs import CommModel, LayerTimes, simulate
+from leantrain.layer_parallel.costs.timing import TwoProcessTiming
 from leantrain.models import GPT, GPTConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -144,12 +144,12 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
         "draws a batch's seed from the user's global CPU stream; the layers' draws "
         "use each device's own generator"
     ),
-    ("layer_parallel/simulate.py", "_solve_clock", "Generator"): _CPU_TOOL,
-    ("layer_parallel/simulate.py", "_solve_clock", "zeros"): _CPU_TOOL,
-    ("layer_parallel/simulate.py", "_solve_clock.prop", "rand"): _CPU_TOOL,
-    ("layer_parallel/timing.py", "_worker", "randn"): _CPU_TOOL,
-    ("layer_parallel/timing.py", "_worker", "tensor"): _CPU_TOOL,
-    ("layer_parallel/timing.py", "_worker", "zeros"): _CPU_TOOL,
+    ("layer_parallel/costs/simulate.py", "_solve_clock", "Generator"): _CPU_TOOL,
+    ("layer_parallel/costs/simulate.py", "_solve_clock", "zeros"): _CPU_TOOL,
+    ("layer_parallel/costs/simulate.py", "_solve_clock.prop", "rand"): _CPU_TOOL,
+    ("layer_parallel/costs/timing.py", "_worker", "randn"): _CPU_TOOL,
+    ("layer_parallel/costs/timing.py", "_worker", "tensor"): _CPU_TOOL,
+    ("layer_parallel/costs/timing.py", "_worker", "zeros"): _CPU_TOOL,
 }
 
 

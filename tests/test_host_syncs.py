@@ -160,13 +160,13 @@ STEADY: dict[str, tuple[str, ...]] = {
     ),
     "layer_parallel/mgrit.py": (
         "mgrit_solve",
-        "pipeline_solve",
+        "sequential_solve",
         "_Chunk",
         "_finite",
         "_judge",
         "MGRITStats",
     ),
-    "layer_parallel/mgrit_phases.py": (
+    "layer_parallel/relaxation.py": (
         "f_relax",
         "c_relax",
         "restrict",
@@ -181,7 +181,7 @@ STEADY: dict[str, tuple[str, ...]] = {
         "StepPropagator",
     ),
     "layer_parallel/adjoint.py": ("vjp", "AdjointPropagator", "adjoint_solve"),
-    "layer_parallel/schedule.py": ("LocalExchange",),
+    "layer_parallel/layout.py": ("LocalExchange",),
 }
 
 _OPTION = "a host value (an option, a shape, a Python list or flag), not a tensor"

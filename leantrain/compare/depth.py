@@ -13,7 +13,7 @@ forward and adjoint). The table gives
   the iterations (so that every solve records at least two residuals);
 * the step time of the stack on two gloo processes (one thread each) against the
   serial step on one, measured in the same two processes
-  (:func:`~.layer_parallel.timing.measure_two_process`), and the simulator's
+  (:func:`~.layer_parallel.costs.timing.measure_two_process`), and the simulator's
   serial and two-process steps from the per-layer times and the message cost
   measured there: both as milliseconds and as a speedup over serial, the numbers
   the panel plots;
@@ -36,8 +36,8 @@ import torch
 
 from leantrain.compare.jobs import Job
 from leantrain.compare.report import fmt, mark_under_load, markdown_table
-from leantrain.layer_parallel.simulate import CommModel, simulate
-from leantrain.layer_parallel.timing import StackSpec, measure_two_process
+from leantrain.layer_parallel.costs.simulate import CommModel, simulate
+from leantrain.layer_parallel.costs.timing import StackSpec, measure_two_process
 
 GPU_INTERCONNECT = CommModel(latency=1e-5, bandwidth=25e9)
 

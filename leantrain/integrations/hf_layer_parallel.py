@@ -170,7 +170,8 @@ def layer_parallel_hf(
 
     Returns:
         The new stack (also reachable in the model, e.g. ``model.transformer.h``); call
-        ``.serial()``, ``.parallel()`` or ``.distribute()`` on it.
+        ``.serial()`` or ``.parallel()`` on it, or spread it over ranks with
+        :func:`~leantrain.layer_parallel.parallelize`.
 
     Raises:
         TypeError: for an unsupported model class.

@@ -30,11 +30,12 @@ from collections.abc import Sequence
 import torch
 
 from leantrain import evaluation
+from leantrain.layer_parallel.layout import ChunkLayout, Exchange
 from leantrain.layer_parallel.mgrit import (
     MGRITOptions,
     MGRITStats,
     mgrit_solve,
-    pipeline_solve,
+    sequential_solve,
 )
 from leantrain.layer_parallel.ode import (
     State,
@@ -44,7 +45,6 @@ from leantrain.layer_parallel.ode import (
     like,
     run_step,
 )
-from leantrain.layer_parallel.schedule import ChunkLayout, Exchange
 
 REENTRANT_CHECKPOINT = (
     "LayerParallel takes each layer's vector-Jacobian product with "
@@ -173,7 +173,7 @@ def adjoint_solve(
         )
     prop = AdjointPropagator(forward, params)
     if pipelined:
-        traj = pipeline_solve(prop, grad_output, layout, exchange)
+        traj = sequential_solve(prop, grad_output, layout, exchange)
         stats = None
     else:
         traj, stats = mgrit_solve(

@@ -1,9 +1,9 @@
-"""The ``torch.distributed`` :class:`~.schedule.Exchange`: one chunk of layers per rank.
+"""The ``torch.distributed`` :class:`~.layout.Exchange`: one chunk of layers per rank.
 
 Rank ``r`` of the layer-parallel process group owns chunk ``r`` (forward) and adjoint
 chunk ``P - 1 - r`` (the adjoint runs the chunks in reversed order, so every rank keeps
 its own layers and graphs in both directions). What crosses rank boundaries is exactly
-what :class:`~.schedule.LocalExchange` moves inside one process:
+what :class:`~.layout.LocalExchange` moves inside one process:
 
 * ``shift``: each rank's last point goes to its right neighbour, posted together with
   the receive from the left neighbour in one ``batch_isend_irecv``;
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from leantrain.layer_parallel.layout import Exchange
 from leantrain.layer_parallel.ode import State, as_tuple, like
-from leantrain.layer_parallel.schedule import Exchange
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 

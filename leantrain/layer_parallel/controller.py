@@ -21,9 +21,10 @@ When ``rho > threshold`` the policy decides: ``"serial"`` switches every
 rank-to-rank pipeline); ``"iterations"`` adds ``step`` forward and adjoint cycles,
 and switches to serial once ``max_iters`` (default ``N/(2 cf) + 1``, where MGRIT is
 exact anyway) would be exceeded. Training goes on with the same module, parameters
-and optimizer: no restart, no checkpoint conversion. Under ``torch.distributed`` the
-factors are max-reduced over ``group`` (default: all ranks), so every rank (every
-data-parallel replica, too) takes the same decision.
+and optimizer: no restart, no checkpoint conversion. On a model spread over a device
+mesh by :func:`~.mesh.parallelize` the factors are max-reduced over that mesh (every
+axis: the ``lp`` ranks and the ``dp`` replicas), so every rank of it takes the same
+decision; ranks outside the mesh are not involved.
 """
 
 from __future__ import annotations
@@ -101,8 +102,14 @@ class Controller:
         step: cycles added per decision under ``"iterations"``.
         max_iters: most cycles before ``"iterations"`` falls back to serial
             (default ``N/(2 cf) + 1`` of each stack).
-        group: process group over which factors are max-reduced (default: all
-            ranks when ``torch.distributed`` is initialised).
+        mesh: the DeviceMesh whose ranks take each decision together (the factors
+            are max-reduced over all its axes). Default: the mesh
+            :func:`~.mesh.parallelize` bound the stacks to; none (each process
+            decides alone) for stacks that were not parallelized. Pass one for
+            data parallelism around in-process stacks (e.g. DDP's ranks).
+
+    Raises:
+        ValueError: if the stacks were parallelized over different meshes.
 
     Attributes:
         records: every :class:`Decision`, oldest first (also logged at INFO).
@@ -128,7 +135,7 @@ class Controller:
         policy: str = "serial",
         step: int = 1,
         max_iters: int | None = None,
-        group=None,
+        mesh=None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -144,11 +151,39 @@ class Controller:
         self.max_iters = (
             None if max_iters is None else check_int("max_iters", max_iters, 1)
         )
-        self.group = group
+        self._mesh = mesh
         self.records: list[Decision] = []
         self.batch = 0
         self._saved: list[tuple[int, int]] | None = None
         self._arm()
+
+    @property
+    def mesh(self):
+        """The DeviceMesh the decisions are reduced over (None: this process alone).
+
+        Read at every check, so a Controller made before :func:`~.mesh.parallelize`
+        follows the mesh the stacks were bound to since.
+        """
+        if self._mesh is not None:
+            return self._mesh
+        meshes = {id(s.mesh): s.mesh for s in self.stacks if s.mesh is not None}
+        if len(meshes) > 1:
+            raise ValueError(
+                "the LayerParallel stacks were parallelized over different meshes; "
+                "pass the one to decide over: Controller(model, mesh=...)"
+            )
+        return next(iter(meshes.values()), None)
+
+    def _reduce_max(self, values: list[float]) -> list[float]:
+        # The max over a mesh is the max over each axis in turn: after the reduction
+        # over axis 0 every rank holds its axis-0 line's max, the next axis combines
+        # those lines.
+        mesh = self.mesh
+        if mesh is None:
+            return values
+        for axis in range(mesh.ndim):
+            values = all_reduce_max(values, mesh.get_group(axis))
+        return values
 
     @property
     def switched(self) -> bool:
@@ -238,13 +273,13 @@ class Controller:
             for s in self.stacks
             for stats in (s.stats.forward, s.stats.backward)
         )
-        return all_reduce_max([float(void)], self.group)[0] > 0
+        return self._reduce_max([float(void)])[0] > 0
 
     def _decide(self) -> Decision:
         saved, self._saved = self._saved, None
         fwd = max(convergence_factor(s.stats.forward) for s in self.stacks)
         bwd = max(convergence_factor(s.stats.backward) for s in self.stacks)
-        fwd, bwd = all_reduce_max([fwd, bwd], self.group)
+        fwd, bwd = self._reduce_max([fwd, bwd])
         factor = max(fwd, bwd)
         action = "keep"
         for s, (f, b) in zip(self.stacks, saved, strict=True):

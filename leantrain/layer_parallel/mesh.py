@@ -60,10 +60,16 @@ class ParallelDims:
         """The ``(dp, lp)`` DeviceMesh over the initialised default group.
 
         Raises:
+            RuntimeError: without an initialised ``torch.distributed`` process group.
             ValueError: if ``dp * lp`` is not the world size.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "a layer-parallel mesh needs an initialised torch.distributed process "
+                "group (torch.distributed.init_process_group, e.g. under torchrun)"
+            )
         world = dist.get_world_size()
         if world != self.world_size:
             raise ValueError(
@@ -165,9 +171,15 @@ def parallelize(
         mesh: a DeviceMesh with axes ``("dp", "lp")`` or just ``("lp",)``.
         config: timeouts and gradient averaging.
 
+    This is the one way to run a layer-parallel model over several processes; a
+    :class:`~leantrain.layer_parallel.controller.Controller` on the model then decides
+    over the same mesh. With every rank on the ``lp`` axis the mesh is
+    ``ParallelDims(lp=world_size).build_mesh()``.
+
     Returns:
-        ``model`` itself (changed in place); ``model.gradient_averager`` holds the
-        :class:`GradientAverager` when ``dp > 1``.
+        ``model`` itself (changed in place); each stack's ``mesh`` is ``mesh``, and
+        ``model.gradient_averager`` holds the :class:`GradientAverager` when
+        ``dp > 1``.
 
     Raises:
         ValueError: if the model has no LayerParallel or the mesh lacks ``lp``.
@@ -192,7 +204,7 @@ def parallelize(
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     for stack in stacks:
-        stack.distribute(lp, timeout=timeout)
+        stack._distribute(lp, mesh, timeout=timeout)
     if dp is not None and dist.get_world_size(dp) > 1 and config.average_gradients:
         in_stacks = {id(p) for s in stacks for p in s.parameters()}
         params = [p for p in model.parameters() if id(p) not in in_stacks]

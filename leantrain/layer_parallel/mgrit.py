@@ -1,5 +1,5 @@
 r"""MGRIT with FAS for ``u_j = \Phi_j(u_{j-1}) + f_j``: the driver (the pure phase
-functions are in :mod:`leantrain.layer_parallel.mgrit_phases`).
+functions are in :mod:`leantrain.layer_parallel.relaxation`).
 
 Level ``l`` has the grid ``0 .. N/cf^l``; its step into point ``j`` is
 ``propagator(l, j, u_{j-1})`` (on coarse levels the fine layer at the start of the
@@ -34,7 +34,9 @@ import torch
 from torch import Tensor
 
 from leantrain.layer_parallel._checks import check_float, check_int, check_relax
-from leantrain.layer_parallel.mgrit_phases import (
+from leantrain.layer_parallel.layout import ChunkLayout, Exchange, LocalExchange
+from leantrain.layer_parallel.ode import State, as_tuple, sq_norm, zeros_like
+from leantrain.layer_parallel.relaxation import (
     Rhs,
     c_relax,
     correct,
@@ -42,8 +44,6 @@ from leantrain.layer_parallel.mgrit_phases import (
     restrict,
     serial_sweep,
 )
-from leantrain.layer_parallel.ode import State, as_tuple, sq_norm, zeros_like
-from leantrain.layer_parallel.schedule import ChunkLayout, Exchange, LocalExchange
 
 # ``converged`` needs the returned iterate's residual at most this fraction of the state
 # norm ||u_C||. Measured on 16-layer GPTs (float32), two forward cycles: at h = 1/N
@@ -174,7 +174,7 @@ def serial_solve(propagator: Propagator, u0: State, n_steps: int) -> list[State]
     return serial_sweep(lambda j, u: propagator(0, j, u), u0, None, 0, n_steps)
 
 
-def pipeline_solve(
+def sequential_solve(
     propagator: Propagator,
     u0: State,
     layout: ChunkLayout,

@@ -9,11 +9,12 @@ same parameters, to exact layer-by-layer autograd; ``.parallel()`` switches back
 ``forward_solver="serial"`` keeps the forward exact (layer after layer, chunk after
 chunk) and runs only the adjoint with MGRIT.
 
-``.distribute(group)`` spreads the chunks over the ranks of a ``torch.distributed``
-group, one contiguous chunk of layers per rank (see docs/layer_parallel.md,
-"Distributed"): every rank calls the module on the same input, only its own layers
-run and receive gradients, the output is broadcast from the last rank and the input
-gradient from the first, so the code around the stack is the same on every rank.
+:func:`~leantrain.layer_parallel.mesh.parallelize` spreads the chunks over the ranks of
+a device mesh's ``lp`` axis, one contiguous chunk of layers per rank (see
+docs/layer_parallel.md, "Distributed"): every rank calls the module on the same input,
+only its own layers run and receive gradients, the output is broadcast from the last
+rank and the input gradient from the first, so the code around the stack is the same on
+every rank.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ from leantrain.layer_parallel._checks import (
     check_state,
 )
 from leantrain.layer_parallel.adjoint import adjoint_solve
+from leantrain.layer_parallel.layout import ChunkLayout, Exchange
 from leantrain.layer_parallel.mgrit import (
     CONVERGENCE_RTOL,
     MGRITOptions,
     MGRITStats,
     mgrit_solve,
-    pipeline_solve,
+    sequential_solve,
 )
 from leantrain.layer_parallel.ode import (
     LayerRNG,
@@ -51,7 +53,6 @@ from leantrain.layer_parallel.ode import (
     like,
     serial_forward,
 )
-from leantrain.layer_parallel.schedule import ChunkLayout, Exchange
 
 FORWARD_SOLVERS = ("mgrit", "serial")
 
@@ -197,6 +198,7 @@ class LayerParallel(nn.Module):
         self.stats = LayerParallelStats(self.mode)
         self._warm: dict[str, list[State]] = {}
         self._exchanges: tuple[Exchange, Exchange] | None = None  # (forward, adjoint)
+        self._mesh = None  # the DeviceMesh parallelize bound the stack to
         self._warned: set[str] = set()  # "forward"/"backward": warned once already
 
     @property
@@ -241,8 +243,17 @@ class LayerParallel(nn.Module):
                 o.levels, o.cf, bwd, o.relax, o.skip_downcycle, o.tol
             )
 
-    def distribute(self, group=None, *, timeout: float | None = None) -> LayerParallel:
-        """Run one chunk per rank of ``group`` (None: the default group); returns self.
+    @property
+    def mesh(self):
+        """The DeviceMesh :func:`~leantrain.layer_parallel.mesh.parallelize` bound this
+        stack to (None before): its ranks train the model together."""
+        return self._mesh
+
+    def _distribute(self, group, mesh, *, timeout: float | None = None) -> None:
+        """Run one chunk per rank of ``group`` (``mesh``'s ``lp`` axis).
+
+        :func:`~leantrain.layer_parallel.mesh.parallelize` is the way in: it takes the
+        group from the mesh and sets up data parallelism around the stacks.
 
         Rank ``r`` of the group owns layers ``r N/P .. (r+1) N/P - 1`` and computes
         and receives gradients only for those; ``N/P`` must be a multiple of
@@ -259,12 +270,12 @@ class LayerParallel(nn.Module):
         o = self.fwd_options
         self.layout = ChunkLayout(len(self.steps), fwd.size, o.cf, o.levels)
         self._exchanges = (fwd, DistExchange(group, reverse=True, timeout=timeout))
+        self._mesh = mesh
         self._warm.clear()
-        return self
 
     @property
     def is_distributed(self) -> bool:
-        """True after :meth:`distribute` over more than one rank."""
+        """True once parallelized over more than one ``lp`` rank."""
         return self._exchanges is not None and self._exchanges[0].size > 1
 
     @property
@@ -338,7 +349,7 @@ class LayerParallel(nn.Module):
         if self.mode == "serial" or self.forward_solver == "serial":
             # Exact stepping chunk after chunk (rank after rank when distributed);
             # a recording propagator keeps every graph for the adjoint.
-            traj = pipeline_solve(prop, state, self.layout, ex)
+            traj = sequential_solve(prop, state, self.layout, ex)
             self.stats.serial_steps = len(self.steps)
             return prop, traj
         init = self._warm_guess("forward", state)

@@ -110,3 +110,12 @@ def run_distributed(
     if missing:
         raise RuntimeError(f"distributed run failed: ranks {missing} returned nothing")
     return [collected[r][1] for r in range(world_size)]
+
+
+def parallelize_over_all_ranks(model, timeout: float | None = None):
+    """:func:`~leantrain.layer_parallel.parallelize` over a 1-D ``lp`` mesh of every
+    rank (one layer chunk per rank); returns ``model``."""
+    from leantrain.layer_parallel import LayerParallelConfig, ParallelDims, parallelize
+
+    mesh = ParallelDims(lp=dist.get_world_size()).build_mesh()
+    return parallelize(model, mesh, config=LayerParallelConfig(timeout=timeout))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leantrain.layer_parallel.pipeline import GPTPipeline, check_pipeline_settings
+from leantrain.compare.pipeline_baseline import GPTPipeline, check_pipeline_settings
 from leantrain.models import GPT, GPTConfig, lm_loss
 from tests.distributed.launch import run_distributed
 
@@ -123,8 +123,4 @@ def test_harness_runs_and_serial_forward_option(depth_bench):
     assert labels[0] == "serial (1 process)"
     assert "1F1B M=1" not in labels and "1F1B M=2" in labels  # 1F1B needs M >= 2
     assert sum(r.kind == "gpipe" for r in runs) == 4
-    if depth_bench.has_serial_forward():
-        assert depth_bench.parse_lp("2,4,serial,1").fwd_iters == 0
-    else:  # refused with the option's name, not silently run as MGRIT
-        with pytest.raises(ValueError, match="forward_solver='serial'"):
-            depth_bench.parse_lp("2,4,serial,1")
+    assert depth_bench.parse_lp("2,4,serial,1").fwd_iters == 0

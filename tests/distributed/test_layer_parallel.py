@@ -19,7 +19,7 @@ from torch import nn
 from leantrain.layer_parallel import LayerParallel
 from leantrain.layer_parallel.comm import LayerParallelCommError
 from leantrain.models.blocks import TransformerBlock
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
 from tests.layer_parallel.lp_steps import PairStep
 
 pytestmark = pytest.mark.distributed
@@ -103,14 +103,14 @@ def _parity_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     for name, kw in cases.items():
         blocks = _blocks(n)
         ref = LayerParallel(copy.deepcopy(blocks), chunks=world, **kw)
-        par = LayerParallel(blocks, **kw).distribute(timeout=60)
+        par = parallelize_over_all_ranks(LayerParallel(blocks, **kw), timeout=60)
         results[name] = _compare(rank, world, ref, par, x, w)
 
     # warm start over two calls, and dropout (same masks from the same batch seed)
     blocks = _blocks(n, dropout=0.2)
     kw = dict(levels=2, cf=2, fwd_iters=2, bwd_iters=1, warm_start=True)
     ref = LayerParallel(copy.deepcopy(blocks), chunks=world, **kw).train()
-    par = LayerParallel(blocks, **kw).distribute().train()
+    par = parallelize_over_all_ranks(LayerParallel(blocks, **kw)).train()
     results["warm_dropout"] = _compare(rank, world, ref, par, x, w, calls=2)
 
     # tuple state (x, y)
@@ -118,7 +118,7 @@ def _parity_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     pair = nn.ModuleList(PairStep(D) for _ in range(n)).double()
     kw = dict(levels=2, cf=4, fwd_iters=2, bwd_iters=2)
     ref = LayerParallel(copy.deepcopy(pair), chunks=world, **kw)
-    par = LayerParallel(pair, **kw).distribute()
+    par = parallelize_over_all_ranks(LayerParallel(pair, **kw))
     x2 = (
         torch.randn(3, D, dtype=torch.float64),
         torch.randn(3, D, dtype=torch.float64),
@@ -132,7 +132,7 @@ def _parity_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     # distributed serial mode (rank-to-rank pipeline) == plain autograd, exactly
     blocks = _blocks(n)
     ref = LayerParallel(copy.deepcopy(blocks), chunks=world).serial()
-    par = LayerParallel(blocks).distribute().serial()
+    par = parallelize_over_all_ranks(LayerParallel(blocks)).serial()
     results["serial"] = _compare(rank, world, ref, par, x, w)
 
     # after one optimizer step on own layers, synchronize_layers gives every rank
@@ -185,7 +185,7 @@ class _Boom(nn.Module):
 
 def _failing_worker(rank: int, world: int) -> None:
     steps = [_Boom(fail=(n == 12)) for n in range(16)]  # layer 12 is on rank 1
-    stack = LayerParallel(steps, cf=2).distribute(timeout=8)
+    stack = parallelize_over_all_ranks(LayerParallel(steps, cf=2), timeout=8)
     x = torch.randn(2, D, requires_grad=True)
     try:
         stack(x).sum().backward()

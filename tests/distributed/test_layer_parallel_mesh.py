@@ -1,7 +1,8 @@
 """DP x LP on a 2 x 2 gloo mesh: equals one-process serial training on the union batch
 once MGRIT is iterated to exactness; the Controller decides identically on all four
 ranks (factors max-reduced over data replicas that see different data) and, after
-switching to serial, the gradients are exactly the serial network's."""
+switching to serial, the gradients are exactly the serial network's. A Controller on
+a model parallelized over an ``lp`` sub-mesh decides over that sub-mesh only."""
 
 from __future__ import annotations
 
@@ -136,3 +137,37 @@ def test_dp_x_lp_equals_serial_union_batch_and_controller_agrees():
     for r in results:
         assert len(r["serial_diffs"]) == 3
         assert max(r["serial_diffs"]) < 1e-12
+
+
+def _sub_mesh_worker(rank: int, world: int) -> dict:
+    # Two independent layer-parallel models, each over its own 2-rank ``lp`` sub-mesh
+    # of a 2 x 2 mesh: replica 0 trains a stalled problem (h = 1), replica 1 a
+    # well-posed one (h = 1/N). Each Controller must decide over its own model's
+    # ranks only: a reduction over all four ranks would switch replica 1 too.
+    mesh = ParallelDims(dp=2, lp=2).build_mesh()
+    replica = mesh.get_local_rank("dp")
+    t_final = 16.0 if replica == 0 else 1.0
+    steps = tanh_steps(16, 6, scale=2.0)
+    net = _Net(LayerParallel(steps, t_final=t_final, cf=2, on_divergence="ignore"), 6)
+    parallelize(net, mesh["lp"])
+    ctrl = Controller(net, every=1)
+    g = torch.Generator().manual_seed(50 + replica)
+    x = torch.randn(2, 6, generator=g, dtype=torch.float64)
+    net(x).pow(2).mean().backward()
+    decision = ctrl.step()
+    return {
+        "replica": replica,
+        "mesh_is_lp": ctrl.mesh is net.stack.mesh,
+        "decision": (decision.action, decision.factor),
+    }
+
+
+def test_controller_decides_over_the_sub_mesh_its_model_runs_on():
+    results = run_distributed(_sub_mesh_worker, 4, timeout=240)
+    assert [r["replica"] for r in results] == [0, 0, 1, 1]
+    assert all(r["mesh_is_lp"] for r in results)
+    stalled, converging = results[0]["decision"], results[2]["decision"]
+    assert results[1]["decision"] == stalled  # the two ranks of a model agree
+    assert results[3]["decision"] == converging
+    assert stalled[0] == "serial" and stalled[1] > 1.0
+    assert converging[0] == "keep" and converging[1] <= 1.0

@@ -9,9 +9,9 @@ import torch
 
 from leantrain.layer_parallel import LayerParallel
 from leantrain.layer_parallel.comm import DistExchange
-from leantrain.layer_parallel.phases import profile_phases
+from leantrain.layer_parallel.costs.phase_timer import profile_phases
 from leantrain.models.blocks import TransformerBlock
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -19,7 +19,9 @@ pytestmark = pytest.mark.distributed
 def _worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     blocks = [TransformerBlock(8, 2, causal=True) for _ in range(8)]
-    stack = LayerParallel(blocks, cf=2, fwd_iters=1).distribute(timeout=60)
+    stack = parallelize_over_all_ranks(
+        LayerParallel(blocks, cf=2, fwd_iters=1), timeout=60
+    )
     x = torch.randn(2, 4, 8)
     plain = stack(x.clone().requires_grad_()).detach()
     xi = x.clone().requires_grad_()

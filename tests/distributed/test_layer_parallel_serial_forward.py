@@ -18,7 +18,7 @@ from torch import nn
 
 from leantrain.layer_parallel import LayerParallel
 from leantrain.models import ResidualStack, TransformerBlock
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -60,7 +60,7 @@ def _worker(rank: int, world: int) -> dict[str, float]:
         blocks = _blocks()
         kw = dict(cf=2, forward_solver="serial", **kw)
         ref = LayerParallel(copy.deepcopy(blocks), chunks=world, **kw)
-        par = LayerParallel(blocks, **kw).distribute(timeout=60)
+        par = parallelize_over_all_ranks(LayerParallel(blocks, **kw), timeout=60)
         ry, rx, rg = _run(ref, x, w)
         py, px, pg = _run(par, x, w)
         own = par.owned_layers

@@ -1,10 +1,10 @@
 """Gradient makers on a GPT whose LayerParallel stack is spread over gloo ranks.
 
-2 processes (``.distribute()``): every first-order maker's preconditioned gradient of
-each rank's own layers, and of the embedding and head every rank runs, equals the
-serial GPT's (computed in the same process) to 1e-8; the makers that need double
-backward, or couple all layers (SMW-NG), raise naming LayerParallel. 4 processes
-(slow): a ``dp x lp`` = 2 x 2 mesh, the stack over ``lp`` and
+2 processes (``parallelize`` over an ``lp`` mesh): every first-order maker's
+preconditioned gradient of each rank's own layers, and of the embedding and head every
+rank runs, equals the serial GPT's (computed in the same process) to 1e-8; the makers
+that need double backward, or couple all layers (SMW-NG), raise naming LayerParallel. 4
+processes (slow): a ``dp x lp`` = 2 x 2 mesh, the stack over ``lp`` and
 ``DistributedDataParallel`` over ``dp`` (the makers average gradients and factors over
 its group), equals one serial process on the union batch.
 """
@@ -22,7 +22,7 @@ from leantrain.models import GPT
 from leantrain.models.gpt import GPTConfig, lm_loss
 from leantrain.precond import unwrap_model
 from leantrain.precond.registry import make_gradient_maker
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -100,7 +100,9 @@ def _two_process_makers(rank, world):
     for name in MAKERS:
         serial = _serial_gpt()
         layered = copy.deepcopy(serial)
-        layered.stack = LayerParallel(layered.stack, t_final=1.0, **EXACT).distribute()
+        layered.stack = parallelize_over_all_ranks(
+            LayerParallel(layered.stack, t_final=1.0, **EXACT)
+        )
         steps = STEPS.get(name, 1)
         want = _train(_maker(name, serial), serial, steps)
         got = _train(_maker(name, layered), layered, steps)
@@ -111,7 +113,9 @@ def _two_process_makers(rank, world):
         errors[name] = (_relative(want, got, names), sorted(foreign))
     for name in ("hessian_free", "smw_ng"):
         layered = _serial_gpt()
-        layered.stack = LayerParallel(layered.stack, t_final=1.0, **EXACT).distribute()
+        layered.stack = parallelize_over_all_ranks(
+            LayerParallel(layered.stack, t_final=1.0, **EXACT)
+        )
         config = {"damping": 1e-2, "ignore_modules": ["wpe"]}
         try:
             _train(make_gradient_maker(name, layered, config=config), layered, 1)

@@ -25,7 +25,7 @@ from leantrain.models.gpt import GPTConfig, lm_loss
 from leantrain.optim import Gefen
 from leantrain.precond import GradientMaker
 from leantrain.precond.registry import make_gradient_maker
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
 
 VOCAB, T, BATCH, STEPS = 16, 6, 3, 3
 EXACT = {"levels": 2, "cf": 2, "fwd_iters": 2, "bwd_iters": 2}
@@ -49,7 +49,7 @@ def build(mode: str, world: int = 1):
     if mode != "serial":
         model.stack = LayerParallel(model.stack, t_final=1.0, **EXACT)
         if world > 1:
-            model.stack.distribute()
+            parallelize_over_all_ranks(model)
     return model
 
 
@@ -82,7 +82,7 @@ class Run:
         self.maker = make_maker(maker, self.model)
         self.opt = make_optimizer(opt, self.model)
         lp = mode != "serial"
-        self.ctrl = Controller(self.model, every=2, group=None) if lp else None
+        self.ctrl = Controller(self.model, every=2) if lp else None
         self.losses: list[float] = []
 
     def step(self) -> None:

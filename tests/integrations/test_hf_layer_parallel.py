@@ -7,8 +7,8 @@
   untouched HF model whose blocks' forwards are patched in the test to that damped
   step, so the HF model's own loop computes the serial solve. The serial mode and MGRIT
   iterated to exactness (both solvers) equal it; one inexact cycle does not.
-* A 2-process gloo run of GPT-2 (``.distribute()``, MGRIT forward and the serial
-  forward with an MGRIT adjoint) equals the one-process serial solve
+* A 2-process gloo run of GPT-2 (``parallelize`` over an ``lp`` mesh, MGRIT forward
+  and the serial forward with an MGRIT adjoint) equals the one-process serial solve
   (slow: the spawned processes import transformers).
 * Refusals name the option; state-dict keys stay the HF model's.
 """
@@ -278,6 +278,8 @@ def test_docstring_example_runs():
 
 
 def _gpt2_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
+    from tests.distributed.launch import parallelize_over_all_ranks
+
     ref = tiny_gpt2(dtype=torch.float64, layers=N)
     inputs = _inputs("gpt2")
     options = dict(t_final=1.0, levels=2, cf=2, fwd_iters=2, bwd_iters=2)
@@ -287,9 +289,11 @@ def _gpt2_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     results = {}
     for solver in ("mgrit", "serial"):  # MGRIT forward; serial forward, MGRIT adjoint
         model = copy.deepcopy(ref)
-        stack = layer_parallel_hf(
-            model, skip_downcycle=False, forward_solver=solver, **options
-        ).distribute()
+        stack = parallelize_over_all_ranks(
+            layer_parallel_hf(
+                model, skip_downcycle=False, forward_solver=solver, **options
+            )
+        )
         y1, l1, g1 = _run(model, inputs)
         layer = {k: re.match(r"transformer\.h\.(\d+)\.", k) for k in g1}
         own = stack.owned_layers

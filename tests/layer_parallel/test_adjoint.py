@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from leantrain.layer_parallel import (
-    AdjointPropagator,
     ChunkLayout,
     LayerRNG,
     MGRITOptions,
@@ -16,6 +15,7 @@ from leantrain.layer_parallel import (
     adjoint_solve,
     mgrit_solve,
 )
+from leantrain.layer_parallel.adjoint import AdjointPropagator
 
 from .linear_reference import diagonal_run
 from .lp_steps import DiagStep, PairStep, tanh_steps

@@ -168,8 +168,22 @@ def test_model_without_layer_parallel_is_rejected():
         Controller("stack")
 
 
-@pytest.mark.parametrize("name", ["controller", "simulate", "mesh"])
+@pytest.mark.parametrize(
+    "name",
+    ["controller", "costs.simulate", "costs.cycle_work", "costs.projection", "mesh"],
+)
 def test_docstring_examples_run(name):
     mod = importlib.import_module(f"leantrain.layer_parallel.{name}")
     result = doctest.testmod(mod, extraglobs={"torch": torch})
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_controller_takes_the_mesh_of_its_stacks():
+    # Not parallelized: no mesh, each process decides alone (no world-group fallback).
+    model = nn.Sequential(_lp_net(1.0, 1.0), _lp_net(1.0, 1.0))
+    assert Controller(model).mesh is None
+    explicit = object()  # stands in for a DeviceMesh: only passed through here
+    assert Controller(model, mesh=explicit).mesh is explicit
+    model[0].stack._mesh, model[1].stack._mesh = object(), object()
+    with pytest.raises(ValueError, match="different meshes"):
+        _ = Controller(model).mesh

@@ -36,7 +36,7 @@ def test_exchange_needs_a_process_group():
     with pytest.raises(RuntimeError, match="initialised torch.distributed"):
         DistExchange()
     with pytest.raises(RuntimeError, match="initialised torch.distributed"):
-        LayerParallel(tanh_steps(8, 2), cf=2).distribute()
+        ParallelDims(lp=2).build_mesh()
 
 
 def test_timeouts_and_local_reduction():

@@ -12,15 +12,13 @@ import torch
 from leantrain.layer_parallel import (
     ChunkLayout,
     LayerRNG,
-    LocalExchange,
     MGRITOptions,
     StepPropagator,
     mgrit_solve,
     serial_solve,
-    skipped_cycle_work,
-    solve_time,
-    vcycle_work,
 )
+from leantrain.layer_parallel.costs import skipped_cycle_work, solve_time, vcycle_work
+from leantrain.layer_parallel.layout import LocalExchange
 from leantrain.layer_parallel.mgrit import CONVERGENCE_RTOL
 from leantrain.models import TransformerBlock
 

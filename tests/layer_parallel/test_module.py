@@ -15,6 +15,7 @@ from torch import nn
 
 import leantrain.layer_parallel as lp_pkg
 from leantrain.layer_parallel import LayerParallel, MGRITDivergenceError
+from leantrain.layer_parallel.costs import skipped_cycle_work, vcycle_work
 from leantrain.layer_parallel.mgrit import CONVERGENCE_RTOL
 from leantrain.models import (
     BERT,
@@ -228,8 +229,8 @@ def test_stats_count_work_per_cost_model():
     assert len(fwd.residuals) == 2 and len(bwd.residuals) == 1  # first cycle skipped
     layout, nu = stack.layout, stack.fwd_options.relax
     assert fwd.critical_path == [
-        lp_pkg.skipped_cycle_work(layout),
-        *[lp_pkg.vcycle_work(layout, nu)] * 2,
+        skipped_cycle_work(layout),
+        *[vcycle_work(layout, nu)] * 2,
     ]
     assert stack.stats.layer_steps == fwd.total_work + bwd.total_work
     # two forwards before their backwards: each backward reports to its own call
@@ -452,7 +453,7 @@ def test_well_posed_gpt_converges_without_warning():
 
 @pytest.mark.parametrize(
     "module",
-    ["ode", "schedule", "module", "mgrit", "adjoint"],
+    ["ode", "layout", "module", "mgrit", "adjoint"],
     ids=lambda m: f"leantrain.layer_parallel.{m}",
 )
 def test_docstring_examples_run(module):

@@ -5,8 +5,8 @@ phase: entering a phase pauses the one it is nested in, so the phases add up to 
 time measured around the outermost one. Wall time minus thread-CPU time is time the
 thread did not run: a blocking wait for a message, or the machine's other work.
 
-:func:`profile_phases` attributes a :class:`~.module.LayerParallel` stack's work to
-phases while it is active:
+:func:`profile_phases` attributes a :class:`~leantrain.layer_parallel.LayerParallel`
+stack's work to phases while it is active:
 
 * every layer step the solvers take, by kind: the forward's relaxation
   (``fwd relax``, level 0), coarse steps (``fwd coarse``, levels >= 1), recorded
@@ -45,8 +45,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 
 from leantrain.layer_parallel.adjoint import AdjointPropagator
+from leantrain.layer_parallel.costs.simulate import LayerTimes
 from leantrain.layer_parallel.ode import StepPropagator
-from leantrain.layer_parallel.simulate import LayerTimes
 
 #: The layer-step phases and the LayerTimes field the simulator charges for each.
 STEP_PHASES = {
@@ -184,13 +184,14 @@ class _TimedExchange:
 
 @contextlib.contextmanager
 def profile_phases(stack, timer: PhaseTimer | None = None) -> Iterator[PhaseTimer]:
-    """Attribute ``stack``'s (a :class:`~.module.LayerParallel`) time to phases.
+    """Attribute ``stack``'s (a :class:`~leantrain.layer_parallel.LayerParallel`)
+    time to phases.
 
-    While active, every :class:`~.ode.StepPropagator` and
-    :class:`~.adjoint.AdjointPropagator` call in this process is timed (the classes
-    are patched and restored on exit), and ``stack``'s solves and exchanges are
-    wrapped. Time the whole training step in ``timer.phase("outside")`` to get the
-    work outside the stack.
+    While active, every :class:`~leantrain.layer_parallel.ode.StepPropagator` and
+    :class:`~leantrain.layer_parallel.adjoint.AdjointPropagator` call in this process is
+    timed (the classes are patched and restored on exit), and ``stack``'s solves and
+    exchanges are wrapped. Time the whole training step in ``timer.phase("outside")`` to
+    get the work outside the stack.
     """
     timer = timer if timer is not None else PhaseTimer()
     fwd_call, adj_call = StepPropagator.__call__, AdjointPropagator.__call__

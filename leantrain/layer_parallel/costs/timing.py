@@ -1,13 +1,13 @@
 """Measured inputs of the schedule simulator: layer-step times and message costs.
 
-:func:`measure_two_process` trains one stack of GPT blocks for a few steps on two
-gloo processes (one thread each) with :class:`~.module.LayerParallel` and, in the
-same two processes, serially on one of them; it also samples the four kinds of layer
-step the solver performs (:class:`LayerSampler`) and the cost of a message
+:func:`measure_two_process` trains one stack of GPT blocks for a few steps on two gloo
+processes (one thread each) with :class:`~leantrain.layer_parallel.LayerParallel` and,
+in the same two processes, serially on one of them; it also samples the four kinds of
+layer step the solver performs (:class:`LayerSampler`) and the cost of a message
 (:func:`ping`). Everything is interleaved round by round (a parallel step on both
-processes, a serial step on rank 0 while rank 1 waits, layer samples on both), so
-all of it sees the same machine load; each time is the median over the rounds after
-one warm-up. The result feeds :func:`~.simulate.simulate`, whose prediction of the
+processes, a serial step on rank 0 while rank 1 waits, layer samples on both), so all of
+it sees the same machine load; each time is the median over the rounds after one
+warm-up. The result feeds :func:`~.simulate.simulate`, whose prediction of the
 two-process step can then be checked against the measured one.
 
 Used by ``leantrain compare depth`` and ``benchmarks/lp_speedup.py``.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes, OutsideTimes
+from leantrain.layer_parallel.costs.simulate import CommModel, LayerTimes, OutsideTimes
 
 
 class LayerSampler:
@@ -256,6 +256,7 @@ def _timed(fn: Callable[[], None]) -> float:
 def _worker(rank: int, port: int, spec: StackSpec, queue) -> None:
     import torch.distributed as dist
 
+    from leantrain.layer_parallel.mesh import ParallelDims, parallelize
     from leantrain.layer_parallel.module import LayerParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -271,7 +272,8 @@ def _worker(rank: int, port: int, spec: StackSpec, queue) -> None:
             levels=spec.levels,
             fwd_iters=spec.fwd_iters,
             bwd_iters=spec.bwd_iters,
-        ).distribute()
+        )
+        parallelize(stack, ParallelDims(lp=2).build_mesh())
         torch.manual_seed(spec.seed + 1)
         x = torch.randn(spec.batch, spec.tokens, spec.d_model)
         w = torch.randn_like(x)

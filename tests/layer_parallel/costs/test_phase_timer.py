@@ -6,9 +6,13 @@ import torch
 
 from leantrain.layer_parallel import LayerParallel
 from leantrain.layer_parallel.adjoint import AdjointPropagator
+from leantrain.layer_parallel.costs.phase_timer import (
+    PhaseTimer,
+    charged,
+    profile_phases,
+)
+from leantrain.layer_parallel.costs.simulate import LayerTimes, simulate
 from leantrain.layer_parallel.ode import StepPropagator
-from leantrain.layer_parallel.phases import PhaseTimer, charged, profile_phases
-from leantrain.layer_parallel.simulate import LayerTimes, simulate
 from leantrain.models.blocks import TransformerBlock
 
 

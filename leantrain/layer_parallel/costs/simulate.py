@@ -1,9 +1,10 @@
 r"""Schedule simulator: the critical-path time of one layer-parallel training step.
 
-The simulator runs the real solver, :func:`~.mgrit.mgrit_solve`, on a stand-in
-problem whose "layers" only advance clocks: one clock per chunk (rank), a step into
-point ``j`` of level ``l`` adds that step's time to the clock of the chunk owning
-``j``, and a :class:`~.schedule.Exchange` moves clocks the way messages move them:
+The simulator runs the real solver, :func:`~leantrain.layer_parallel.mgrit_solve`, on a
+stand-in problem whose "layers" only advance clocks: one clock per chunk (rank), a step
+into point ``j`` of level ``l`` adds that step's time to the clock of the chunk owning
+``j``, and a :class:`~leantrain.layer_parallel.layout.Exchange` moves clocks the way
+messages move them:
 
 * ``shift``: chunk ``p`` may continue at ``max(own clock, clock of p-1 + message)``;
 * ``pipeline`` (coarsest level): chunk after chunk, each waiting for its left
@@ -13,7 +14,7 @@ point ``j`` of level ``l`` adds that step's time to the clock of the chunk ownin
 
 So the schedule simulated is exactly the one the distributed code executes, for any
 ``N``, ``P``, levels, ``cf``, iterations and relaxation. With unit layer times and no
-communication it reproduces the cost model :func:`~.schedule.solve_time` (tested).
+communication it reproduces the cost model :func:`~.cycle_work.solve_time` (tested).
 
 Communication model (:class:`CommModel`): a message of ``b`` bytes costs
 ``latency + b / bandwidth``; an all-reduce or broadcast over ``P`` ranks costs
@@ -43,10 +44,10 @@ from dataclasses import dataclass
 import torch
 
 from leantrain.layer_parallel._checks import check_float, check_int
-from leantrain.layer_parallel.mgrit import MGRITOptions, mgrit_solve, pipeline_solve
+from leantrain.layer_parallel.layout import ChunkLayout, Exchange
+from leantrain.layer_parallel.mgrit import MGRITOptions, mgrit_solve, sequential_solve
 from leantrain.layer_parallel.module import FORWARD_SOLVERS
 from leantrain.layer_parallel.ode import State
-from leantrain.layer_parallel.schedule import ChunkLayout, Exchange
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def _solve_clock(
 
     u0 = torch.zeros(1, dtype=torch.float64)
     if serial:  # the exact forward: every layer once, recorded, chunk after chunk
-        pipeline_solve(prop, u0, layout, exchange=ex)
+        sequential_solve(prop, u0, layout, exchange=ex)
     else:
         mgrit_solve(prop, u0, layout, options, exchange=ex)
     return max(ex.clock)
@@ -260,11 +261,11 @@ def simulate(
         chunks: ranks ``P``; ``N/P`` must be a multiple of ``cf**(levels-1)``.
         times: per-layer step times.
         levels, cf, fwd_iters, bwd_iters, relax, skip_downcycle: MGRIT options, as in
-            :class:`~.module.LayerParallel`.
+            :class:`~leantrain.layer_parallel.module.LayerParallel`.
         comm: the communication model (default: free).
         state_bytes: bytes of one state (batch x tokens x d_model x element size).
         forward_solver: ``"mgrit"`` or ``"serial"`` (exact pipelined forward, MGRIT
-            adjoint), as in :class:`~.module.LayerParallel`.
+            adjoint), as in :class:`~leantrain.layer_parallel.module.LayerParallel`.
         outside: the work outside the stack (default: none); every rank does it
             for its ``N/P`` layers, the serial step for all ``N``.
 

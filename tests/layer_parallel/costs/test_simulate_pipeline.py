@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes, OutsideTimes
-from leantrain.layer_parallel.simulate_pipeline import (
+from leantrain.layer_parallel.costs.simulate import CommModel, LayerTimes, OutsideTimes
+from leantrain.layer_parallel.costs.simulate_pipeline import (
     bubble_fraction,
     critical_path,
     gpipe_time,

@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from leantrain.layer_parallel.simulate import (
+from leantrain.layer_parallel.costs.simulate import (
     CommModel,
     LayerTimes,
     OutsideTimes,
     simulate,
 )
-from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline
+from leantrain.layer_parallel.costs.simulate_pipeline import simulate_pipeline
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,46 @@ class MGRITSetting:
     cf: int = 4
     fwd_iters: int = 1
     bwd_iters: int = 1
+
+    @classmethod
+    def parse(cls, spec: str) -> MGRITSetting:
+        """A setting from ``"levels,cf,fwd_iters,bwd_iters"`` (a benchmark's ``--lp``);
+        ``fwd_iters`` may be ``serial``.
+
+        Raises:
+            ValueError: naming the spec when it is malformed.
+
+        Example:
+            >>> MGRITSetting.parse("2,4,serial,1").label
+            'L2 cf4 fwd serial bwd 1'
+        """
+        parts = spec.split(",")
+        if len(parts) != 4:
+            raise ValueError(
+                f"--lp {spec!r}: expected levels,cf,fwd_iters,bwd_iters (e.g. 2,4,1,1)"
+            )
+        if parts[2] == "serial":
+            parts[2] = "0"
+        try:
+            levels, cf, fwd, bwd = (int(v) for v in parts)
+        except ValueError:
+            raise ValueError(f"--lp {spec!r}: every field must be an integer") from None
+        if levels < 2 or cf < 2 or fwd < 0 or bwd < 1:
+            raise ValueError(
+                f"--lp {spec!r}: needs levels >= 2, cf >= 2, fwd_iters >= 1 (or "
+                "serial), bwd_iters >= 1"
+            )
+        return cls(levels, cf, fwd, bwd)
+
+    def options(self) -> dict:
+        """The :class:`~leantrain.layer_parallel.LayerParallel` keywords of this
+        setting (``forward_solver="serial"`` for ``fwd_iters=0``)."""
+        kw = dict(levels=self.levels, cf=self.cf, bwd_iters=self.bwd_iters)
+        if self.fwd_iters == 0:
+            kw["forward_solver"] = "serial"
+        else:
+            kw["fwd_iters"] = self.fwd_iters
+        return kw
 
     @property
     def label(self) -> str:
@@ -219,55 +259,3 @@ def projection_table(cells: Sequence[Cell]) -> str:
         where = ", ".join(f"P={p}" for p in wins) if wins else "nowhere"
         lines.append(f"| {n} | " + " | ".join(row) + f" | {where} |")
     return "\n".join(lines)
-
-
-def plot_projection(
-    cells: Sequence[Cell],
-    path: str,
-    comm_name: str,
-    depths: Sequence[int] = (16, 64, 256, 1024),
-) -> None:
-    """PNG: speedup over serial of both methods against ranks (left) and their
-    ratio (right, above 1 layer-parallel is faster; dotted: the first crossover)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, n in enumerate(depths):
-        row = [c for c in cells if c.depth == n]
-        color = f"C{i}"
-        pts = [(c.ranks, c.serial / c.mgrit) for c in row if c.mgrit]
-        if pts:
-            ax1.plot(*zip(*pts, strict=True), "-o", color=color, label=f"MGRIT N={n}")
-        pts = [(c.ranks, c.serial / c.pipeline) for c in row if c.pipeline]
-        if pts:
-            ax1.plot(
-                *zip(*pts, strict=True), "--", color=color, label=f"pipeline N={n}"
-            )
-        pts = [(c.ranks, c.pipeline / c.mgrit) for c in row if c.mgrit and c.pipeline]
-        if pts:
-            ax2.plot(*zip(*pts, strict=True), "-o", color=color, label=f"N={n}")
-        cross = crossover(cells, n)
-        if cross:
-            ax2.axvline(cross, color=color, lw=0.8, ls=":")
-    ax1.set_xscale("log", base=2)
-    ax1.set_yscale("log")
-    ax1.set(
-        xlabel="ranks P",
-        ylabel="speedup over serial",
-        title=f"projected speedup over serial (messages: {comm_name})",
-    )
-    ax1.legend(fontsize=7, ncol=2)
-    ax2.axhline(1.0, color="k", lw=0.8)
-    ax2.set_xscale("log", base=2)
-    ax2.set(
-        xlabel="ranks P",
-        ylabel="best pipeline step / MGRIT step",
-        title="> 1: layer-parallel faster (dotted: first crossover)",
-    )
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

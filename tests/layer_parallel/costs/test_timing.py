@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from leantrain.layer_parallel.timing import (
+from leantrain.layer_parallel.costs.timing import (
     LayerSampler,
     StackSpec,
     layer_times,

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from leantrain.layer_parallel._checks import check_float, check_int
-from leantrain.layer_parallel.simulate import CommModel, LayerTimes, OutsideTimes
+from leantrain.layer_parallel.costs.simulate import CommModel, LayerTimes, OutsideTimes
 
 SCHEDULES = ("gpipe", "1f1b")
 

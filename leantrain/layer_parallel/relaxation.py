@@ -1,4 +1,5 @@
-r"""MGRIT's phases as pure functions on one chunk's points of one level.
+r"""MGRIT's relaxation, restriction and correction as pure functions on one chunk's
+points of one level.
 
 ``u`` is one chunk's points on one level: ``u[0]`` is the ghost (the left neighbour's
 last point, or point 0), ``u[1:]`` the owned points; ``offset`` is the ghost's global

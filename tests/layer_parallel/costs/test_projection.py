@@ -1,26 +1,25 @@
 """The MGRIT-versus-pipeline projection: best choices against the simulators run
-directly, the layout rules, the serial-forward time, the crossover, the table and
-the plot."""
+directly, the layout rules, the serial-forward time, the crossover and the table
+(the plot: tests/compare/test_depth_plot.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from leantrain.layer_parallel.projection import (
+from leantrain.layer_parallel.costs.projection import (
     MGRITSetting,
     best_pipeline,
     crossover,
-    plot_projection,
     project,
     projection_table,
 )
-from leantrain.layer_parallel.simulate import (
+from leantrain.layer_parallel.costs.simulate import (
     CommModel,
     LayerTimes,
     OutsideTimes,
     simulate,
 )
-from leantrain.layer_parallel.simulate_pipeline import simulate_pipeline
+from leantrain.layer_parallel.costs.simulate_pipeline import simulate_pipeline
 
 FULL = LayerTimes(1.0, 1.5, 1.2, 2.4)
 
@@ -86,7 +85,7 @@ def test_projection_and_crossover():
         project([64], [2], {2: FULL}, settings, CommModel(), 0.0)
 
 
-def test_table_and_plot(tmp_path):
+def test_table():
     flat = {m: FULL for m in (1, 2, 4, 8)}
     settings = [MGRITSetting(2, 4, 1, 1)]
     cells = project([16, 64], [2, 4, 32], flat, settings, CommModel(), 0.0)
@@ -102,9 +101,6 @@ def test_table_and_plot(tmp_path):
         assert cell.startswith("**") == c.lp_wins
         assert float(cell.strip("*")) == pytest.approx(c.pipeline / c.mgrit, abs=5e-3)
         assert (f"P={c.ranks}" in row[-1]) == c.lp_wins
-    path = tmp_path / "p.png"
-    plot_projection(cells, str(path), "free", depths=(16, 64))
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_outside_work_is_charged_to_serial_mgrit_and_pipeline():
@@ -130,3 +126,21 @@ def test_outside_work_is_charged_to_serial_mgrit_and_pipeline():
     assert cell.pipeline == pytest.approx(best)
     with pytest.raises(ValueError, match="keys of times_by_mb"):
         project([64], [4], times, [s], CommModel(), 0.0, {1: out[1]})
+
+
+def test_setting_parses_a_benchmark_spec_and_gives_layer_parallel_options():
+    serial_fwd = MGRITSetting.parse("2,4,serial,1")
+    assert serial_fwd == MGRITSetting(2, 4, 0, 1)
+    assert serial_fwd.options() == dict(
+        levels=2, cf=4, bwd_iters=1, forward_solver="serial"
+    )
+    assert MGRITSetting.parse("3,2,2,1").options() == dict(
+        levels=3, cf=2, bwd_iters=1, fwd_iters=2
+    )
+    for spec, match in [
+        ("2,4,1", "expected levels,cf,fwd_iters,bwd_iters"),
+        ("2,x,1,1", "every field must be an integer"),
+        ("1,4,1,1", "needs levels >= 2"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            MGRITSetting.parse(spec)

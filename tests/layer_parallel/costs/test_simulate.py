@@ -9,8 +9,9 @@ import math
 
 import pytest
 
-from leantrain.layer_parallel import ChunkLayout, solve_time
-from leantrain.layer_parallel.simulate import (
+from leantrain.layer_parallel import ChunkLayout
+from leantrain.layer_parallel.costs import solve_time
+from leantrain.layer_parallel.costs.simulate import (
     CommModel,
     LayerTimes,
     OutsideTimes,
