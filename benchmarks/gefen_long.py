@@ -31,7 +31,8 @@ processes of one thread; d = 256, one block, context 32, batch 8: 0.04 s of CPU 
 step, about 90 s per run on an idle core). ``--table`` prints the table of the
 results file without training; ``--quick`` is a tiny configuration that runs in
 seconds. Results:
-docs/benchmarks.md, "Gefen — long-run quality".
+docs/results.md, "Quality, long runs", and
+docs/notebook/2026-12-03-gefen-long-run.md.
 """
 
 from __future__ import annotations

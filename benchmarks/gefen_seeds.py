@@ -25,7 +25,8 @@ and CNN take seconds per seed). ``--plot PATH`` also draws every seed's ratio an
 summaries as a PNG. ``--variants`` takes ``adamw-eps``, ``adamw-lr`` and
 ``benchmarks/gefen_quality.py``'s ``BITS:PARTITION`` specs (``8:auto`` is Gefen
 8-bit), and ``probe:SPEC`` for ``benchmarks/second_moment_probes.py``'s AdamW with a
-swapped second moment. Results: docs/benchmarks.md, "Gefen — quality over seeds".
+swapped second moment. Results: docs/results.md, "Quality, short runs over
+seeds", and docs/notebook/2026-12-03-gefen-short-runs-over-seeds.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Second-moment probes: AdamW with the second moment of each matrix swapped.
 
 A research harness for the question "which compact second moment would bring 8-bit
-Gefen within 1 % of AdamW on the MLP?" (docs/benchmarks.md, "What we tried and why
-it is not the default"). :class:`ProbeAdamW` is AdamW (decoupled weight decay, bias
-corrections) whose matrices (parameters with two or more dims, viewed as ``shape[0]``
-rows) use one of these second moments; 1-D parameters always keep AdamW's own:
+Gefen within 1 % of AdamW on the MLP?"
+(docs/notebook/2026-12-02-gefen-not-the-default.md). :class:`ProbeAdamW` is AdamW
+(decoupled weight decay, bias corrections) whose matrices (parameters with two or more
+dims, viewed as ``shape[0]`` rows) use one of these second moments; 1-D parameters
+always keep AdamW's own:
 
 - ``own``: AdamW's per-element ``v`` (the harness equals ``torch.optim.AdamW``);
 - ``factored``: Adafactor's row and column EMAs of ``g^2``, ``v = r_i c_j / mean(c)``

@@ -93,12 +93,12 @@ if __name__ == "__main__":
     # +-0.05 jumps between them). Label smoothing caps the logits, so a few
     # confidently wrong digits weigh less in the validation loss; it did not make
     # the runs less sensitive: a 1e-6 perturbation of the initialisation still
-    # moves serial's final loss by 1-7% (docs/benchmarks.md, "What we tried").
+    # moves serial's final loss by 1-7% (docs/notebook/2026-12-02-lp-demo-settings.md).
     # 4 adjoint cycles: with 2, the gradient error (1.6% at step 0, 4.1% at step 150,
     # up to 25% on the patch embedding, as the convergence factor rises from 0.10 to
     # 0.29) left a systematic excess over serial training; with 4 (and with 6) the
     # parallel-then-serial run lands inside serial's own run-to-run spread
-    # (docs/benchmarks.md, "What we tried").
+    # (docs/notebook/2026-12-02-lp-demo-settings.md).
     # 4 forward cycles: on the shapes, whose serial runs end 0.25% apart, 3 forward /
     # 4 adjoint cycles ended +2.2% above serial, 3 / 6 +0.4%, 4 / 4 -0.6% (one-process
     # solver); the forward error is what the remaining excess came from.

@@ -5,9 +5,9 @@ entries near 1e-34, so the products of a K-FAC apply land in the subnormal range
 (below 1.2e-38 in float32). x86 CPUs compute on subnormals through a microcode
 assist that is many times slower than a normal multiply-add: on the digits MLP
 near convergence, one 256-wide K-FAC apply took 0.53 ms instead of 0.37 ms
-(benchmarks/precond.py, docs/benchmarks.md). A subnormal entry of a
-preconditioned gradient is below anything an optimizer step can express against
-weights of order 1e-2, so flushing it to zero changes no update.
+(benchmarks/precond.py, docs/notebook/2026-12-02-precond-step-cost.md). A subnormal
+entry of a preconditioned gradient is below anything an optimizer step can express
+against weights of order 1e-2, so flushing it to zero changes no update.
 
 :func:`denormals_flushed` sets the CPU's flush-to-zero / denormals-are-zero modes
 for the calling thread (``torch.set_flush_denormal``) around the preconditioner's

@@ -84,7 +84,7 @@ def _is_distributed() -> bool:
 def _warn_soap_momentum(optimizer: torch.optim.Optimizer) -> None:
     """SOAP's direction already holds Adam's momentum and scale: SGD's momentum on
     top multiplies its step about tenfold. Measured (``GPT.default()`` and the digits
-    MLP, 150 steps, two seeds; docs/benchmarks.md): around
+    MLP, 150 steps, two seeds; docs/notebook/2026-12-05-precond-first-try.md): around
     ``SGD(lr=0.05, momentum=0.9)`` SOAP ends at mean losses of 531 / 525 where plain
     SGD reaches 2.8 / 0.08."""
     momenta = {g.get("momentum", 0.0) for g in optimizer.param_groups}
