@@ -123,10 +123,10 @@ class LoopRecorder:
             return  # evaluation (no backward follows), or a deep copy of the model
         coll, maker = self.collector, self.maker
         calls, outputs = coll._calls, coll._outputs
-        # A fresh recording for the next call; the gradient hooks of this call keep
-        # writing into its own call records.
-        coll._calls = {name: [] for name in coll.ops}
-        coll._outputs = []
+        # A fresh recording for the next call (its own batch: micro-batches may
+        # differ in size); the gradient hooks of this call keep writing into its
+        # own call records.
+        coll.next_call()
         logits = maker._logits(output)
         spec = as_loss_spec(maker.loss_type)
         spec = type(spec)(spec.name, maker.loss_reduction)
