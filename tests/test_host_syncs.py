@@ -97,11 +97,12 @@ STEADY: dict[str, tuple[str, ...]] = {
         "PreconditionedOptimizer.step",
         "PreconditionedOptimizer._arm",
     ),
-    "precond/_loop_record.py": ("finish_step", "amp_scale"),
+    "precond/_loop_record.py": ("amp_scale",),
     "precond/preconditioned.py": (
         "all_finite",
         "PreconditionedGradientMaker.forward_and_backward",
         "PreconditionedGradientMaker._step",
+        "PreconditionedGradientMaker.finish_step",
         "PreconditionedGradientMaker._apply_preconditioner",
         "PreconditionedGradientMaker._layer_gradients",
         "PreconditionedGradientMaker._plain_gradient",
@@ -249,9 +250,11 @@ HOST_READS: dict[tuple[str, str, str], str] = {
         "needed under GradScaler.step: found_inf decides whether the wrapped "
         "optimizer steps and whether the recorded statistics count"
     ),
-    ("precond/_loop_record.py", "finish_step", "float()"): (
-        "curvature steps only: the loss scale divided out of the recorded statistics"
-    ),
+    (
+        "precond/preconditioned.py",
+        "PreconditionedGradientMaker.finish_step",
+        "float()",
+    ): ("curvature steps only: the loss scale divided out of the recorded statistics"),
     ("precond/_loop_record.py", "amp_scale", "float()"): (
         "only after GradScaler.unscale_ (gradient clipping): the scaler's public "
         "get_scale() is a host float"
