@@ -32,10 +32,10 @@ from leantrain.precond._hooked import HookedMaker
 from leantrain.precond._kron import KronFactorMaker
 from leantrain.precond._loop_record import LoopRecorder, ModuleHookGuards, amp_scale
 from leantrain.precond._patterns import check_trainable
+from leantrain.precond.methods.shampoo import ShampooGradientMaker
+from leantrain.precond.methods.soap import SoapGradientMaker
 from leantrain.precond.preconditioned import PreconditionedGradientMaker
 from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
-from leantrain.precond.shampoo import ShampooGradientMaker
-from leantrain.precond.soap import SoapGradientMaker
 
 __all__ = [
     "IN_LOOP_METHODS",

@@ -95,7 +95,7 @@ class NaturalGradientMaker(HookedMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.natural_gradient import NaturalGradientMaker
+        >>> from leantrain.precond.methods.natural_gradient import NaturalGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = NaturalGradientMaker(model, PreconditioningConfig(damping=1e-3),

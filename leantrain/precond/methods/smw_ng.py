@@ -70,7 +70,7 @@ class SmwNgGradientMaker(WoodburyMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.smw_ng import SmwNgGradientMaker
+        >>> from leantrain.precond.methods.smw_ng import SmwNgGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = SmwNgGradientMaker(model, PreconditioningConfig(damping=1e-2))

@@ -65,7 +65,7 @@ class SengGradientMaker(WoodburyMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.seng import SengGradientMaker
+        >>> from leantrain.precond.methods.seng import SengGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = SengGradientMaker(model, PreconditioningConfig(damping=1e-2),

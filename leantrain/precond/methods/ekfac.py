@@ -102,7 +102,7 @@ class EkfacGradientMaker(KronFactorMaker):
     Example:
         >>> import torch
         >>> import torch.nn.functional as F
-        >>> from leantrain.precond.ekfac import EkfacGradientMaker
+        >>> from leantrain.precond.methods.ekfac import EkfacGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = EkfacGradientMaker(model, fisher_type="fisher_emp")

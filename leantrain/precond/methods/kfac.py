@@ -38,8 +38,8 @@ from leantrain.precond._kfac_apply import (
     inverse_state,
     inverses_from_state,
     split_inverse,
-    write_factored,
     write_operators,
+    write_shortcut,
 )
 from leantrain.precond._kron import (
     KronFactorMaker,
@@ -129,7 +129,7 @@ class KfacGradientMaker(KronFactorMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.kfac import KfacGradientMaker
+        >>> from leantrain.precond.methods.kfac import KfacGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = KfacGradientMaker(model, PreconditioningConfig(damping=1e-3))
@@ -162,7 +162,8 @@ class KfacGradientMaker(KronFactorMaker):
             )
         self.damping_mode = damping_mode
         # Factored damping: wide linear layers skip their weight gradient and are
-        # preconditioned as (B^-1 E^T)(X A^-1) (see _factored.factored_is_cheaper).
+        # preconditioned as (B^-1 E^T)(X A^-1) (see
+        # _output_grad_shortcut.shortcut_is_cheaper).
         self.factored_gradients = damping_mode != "exact"
         # Per module: {"A": [..], "B": [..]} inverses (or eigenpairs for "exact"),
         # or {"unit": (R, U, U) inverses}.
@@ -308,7 +309,7 @@ class KfacGradientMaker(KronFactorMaker):
         for name, (x, e) in captured.items():
             inv = self.inverses.get(name)
             if inv is None:  # no curvature yet: the plain gradient
-                write_factored(self.ops[name], x, e)
+                write_shortcut(self.ops[name], x, e)
                 continue
             if inv.get("operators"):
                 write_operators(self.ops[name], x, e, inv["A"][0], inv["B"][0])
@@ -317,7 +318,7 @@ class KfacGradientMaker(KronFactorMaker):
             parts = None
             if not cholesky and len(self.ops[name].params) == 2:
                 parts = self._inverse_parts(inv, x.shape[1], x.dtype)
-            write_factored(
+            write_shortcut(
                 self.ops[name],
                 x,
                 e,
