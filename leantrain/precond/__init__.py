@@ -15,6 +15,7 @@ from leantrain.precond.curv import (
     ModuleCurvature,
     curvature,
 )
+from leantrain.precond.fisher_options import FisherOptions
 from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
 from leantrain.precond.in_loop import (
     IN_LOOP_METHODS,
@@ -51,6 +52,7 @@ __all__ = [
     "Curvature",
     "DiagonalEmpiricalFisherGradientMaker",
     "EkfacGradientMaker",
+    "FisherOptions",
     "GradientMaker",
     "HessianFreeGradientMaker",
     "KbfgsGradientMaker",
