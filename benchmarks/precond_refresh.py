@@ -27,7 +27,7 @@ import torch
 from leantrain.models.gpt import GPT, GPTConfig, lm_loss
 from leantrain.precond import make_gradient_maker
 from leantrain.precond._kron import damped_inverse
-from leantrain.precond.shampoo import inverse_root
+from leantrain.precond.methods.shampoo import inverse_root
 
 
 def _filled(method: str, model: GPT, x, y):

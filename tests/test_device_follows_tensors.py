@@ -85,7 +85,11 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
         "Curvature._dtype_device",
         "zeros",
     ): "a dtype/device template when the layer has no parameters",
-    ("precond/kbfgs.py", "KbfgsGradientMaker._extra_state", "tensor"): _HOST_STATE,
+    (
+        "precond/methods/kbfgs.py",
+        "KbfgsGradientMaker._extra_state",
+        "tensor",
+    ): _HOST_STATE,
     # optim
     ("optim/_checkpoint.py", "to_checkpoint", "tensor"): _HOST_STATE,
     (

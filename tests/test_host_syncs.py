@@ -97,11 +97,12 @@ STEADY: dict[str, tuple[str, ...]] = {
         "PreconditionedOptimizer.step",
         "PreconditionedOptimizer._arm",
     ),
-    "precond/_loop_record.py": ("finish_step", "amp_scale"),
+    "precond/_loop_record.py": ("amp_scale",),
     "precond/preconditioned.py": (
         "all_finite",
         "PreconditionedGradientMaker.forward_and_backward",
         "PreconditionedGradientMaker._step",
+        "PreconditionedGradientMaker.finish_step",
         "PreconditionedGradientMaker._apply_preconditioner",
         "PreconditionedGradientMaker._layer_gradients",
         "PreconditionedGradientMaker._plain_gradient",
@@ -121,14 +122,14 @@ STEADY: dict[str, tuple[str, ...]] = {
         "graft",
         "layer_dots",
         "kl_clip_factor",
-        "factored_gradient_norm",
-        "factored_gradient_dot",
+        "shortcut_gradient_norm",
+        "shortcut_gradient_dot",
         "PlainGradient",
     ),
-    "precond/_kfac_apply.py": ("split_inverse", "write_factored", "write_operators"),
-    "precond/kfac.py": ("KfacGradientMaker.precondition",),
-    "precond/ekfac.py": ("EkfacGradientMaker.precondition",),
-    "precond/shampoo.py": (
+    "precond/_kfac_apply.py": ("split_inverse", "write_shortcut", "write_operators"),
+    "precond/methods/kfac.py": ("KfacGradientMaker.precondition",),
+    "precond/methods/ekfac.py": ("EkfacGradientMaker.precondition",),
+    "precond/methods/shampoo.py": (
         "ShampooGradientMaker._forward_backward",
         "ShampooGradientMaker.precondition",
         "_precondition_block",
@@ -138,9 +139,12 @@ STEADY: dict[str, tuple[str, ...]] = {
         "KronFactorMaker._plain_gradient",
         "KronFactorMaker._unwritten_gradients",
     ),
-    "precond/natural_gradient.py": ("NaturalGradientMaker.precondition", "_solve"),
-    "precond/smw_ng.py": ("SmwNgGradientMaker.precondition",),
-    "precond/seng.py": ("SengGradientMaker.precondition",),
+    "precond/methods/natural_gradient.py": (
+        "NaturalGradientMaker.precondition",
+        "_solve",
+    ),
+    "precond/methods/smw_ng.py": ("SmwNgGradientMaker.precondition",),
+    "precond/methods/seng.py": ("SengGradientMaker.precondition",),
     "precond/_gram.py": (
         "GramInverse.right",
         "GramInverse.left",
@@ -249,9 +253,11 @@ HOST_READS: dict[tuple[str, str, str], str] = {
         "needed under GradScaler.step: found_inf decides whether the wrapped "
         "optimizer steps and whether the recorded statistics count"
     ),
-    ("precond/_loop_record.py", "finish_step", "float()"): (
-        "curvature steps only: the loss scale divided out of the recorded statistics"
-    ),
+    (
+        "precond/preconditioned.py",
+        "PreconditionedGradientMaker.finish_step",
+        "float()",
+    ): ("curvature steps only: the loss scale divided out of the recorded statistics"),
     ("precond/_loop_record.py", "amp_scale", "float()"): (
         "only after GradScaler.unscale_ (gradient clipping): the scaler's public "
         "get_scale() is a host float"

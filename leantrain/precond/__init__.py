@@ -15,30 +15,33 @@ from leantrain.precond.curv import (
     ModuleCurvature,
     curvature,
 )
-from leantrain.precond.diagonal_fisher import DiagonalEmpiricalFisherGradientMaker
-from leantrain.precond.ekfac import EkfacGradientMaker
+from leantrain.precond.fisher_options import FisherOptions
 from leantrain.precond.gradient_maker import GradientMaker, unwrap_model
-from leantrain.precond.hessian_free import HessianFreeGradientMaker
 from leantrain.precond.in_loop import (
     IN_LOOP_METHODS,
     PreconditionedOptimizer,
     precondition_in_loop,
 )
-from leantrain.precond.kbfgs import KbfgsGradientMaker
-from leantrain.precond.kfac import KfacGradientMaker
-from leantrain.precond.natural_gradient import NaturalGradientMaker
-from leantrain.precond.newton import NewtonGradientMaker
+from leantrain.precond.methods.diagonal_fisher import (
+    DiagonalEmpiricalFisherGradientMaker,
+)
+from leantrain.precond.methods.ekfac import EkfacGradientMaker
+from leantrain.precond.methods.hessian_free import HessianFreeGradientMaker
+from leantrain.precond.methods.kbfgs import KbfgsGradientMaker
+from leantrain.precond.methods.kfac import KfacGradientMaker
+from leantrain.precond.methods.natural_gradient import NaturalGradientMaker
+from leantrain.precond.methods.newton import NewtonGradientMaker
+from leantrain.precond.methods.psgd import PsgdGradientMaker
+from leantrain.precond.methods.seng import SengGradientMaker
+from leantrain.precond.methods.shampoo import ShampooGradientMaker
+from leantrain.precond.methods.smw_ng import SmwNgGradientMaker
+from leantrain.precond.methods.soap import SoapGradientMaker
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
     PreconditioningConfig,
     is_due,
 )
-from leantrain.precond.psgd import PsgdGradientMaker
 from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
-from leantrain.precond.seng import SengGradientMaker
-from leantrain.precond.shampoo import ShampooGradientMaker
-from leantrain.precond.smw_ng import SmwNgGradientMaker
-from leantrain.precond.soap import SoapGradientMaker
 from leantrain.precond.stand_in import StandIn
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "Curvature",
     "DiagonalEmpiricalFisherGradientMaker",
     "EkfacGradientMaker",
+    "FisherOptions",
     "GradientMaker",
     "HessianFreeGradientMaker",
     "KbfgsGradientMaker",

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from leantrain.precond._checks import check_choice
 from leantrain.precond._random import DeviceGenerators
 from leantrain.precond.curv import as_loss_spec, output_vectors
 from leantrain.precond.curv.kinds import reduction_factor
 from leantrain.precond.curv.modules import is_supported_module
+from leantrain.precond.fisher_options import FISHER_TYPES, FisherOptions
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
     PreconditionedGradientMaker,
@@ -30,8 +30,6 @@ from leantrain.precond.preconditioned import (
 )
 
 __all__ = ["FISHER_TYPES", "FisherMaker", "default_logits"]
-
-FISHER_TYPES = ("fisher_mc", "fisher_exact", "fisher_emp")
 
 
 def default_logits(output: Any) -> Tensor:
@@ -77,49 +75,49 @@ class FisherMaker(PreconditionedGradientMaker):
     Args:
         model: the module to train (plain or ``DistributedDataParallel``).
         config: schedule, damping, EMA decay, ignored modules.
-        fisher_type: ``"fisher_mc"`` (``n_mc_samples`` targets drawn from the model,
-            averaged), ``"fisher_exact"`` (one backward per class) or
-            ``"fisher_emp"`` (the loss gradient itself, no extra backward vector).
-        n_mc_samples: draws for ``"fisher_mc"``.
-        loss_type: ``"cross_entropy"`` or ``"mse"``: the likelihood whose Fisher is
-            taken (the loss you compute should be its negative log).
-        loss_reduction: ``"mean"`` or ``"sum"``, as the loss you compute reduces.
-        logits_fn: maps the model output to the logits (batch first); default
-            :func:`default_logits`.
-        seed: seeds the Monte-Carlo draws (saved by ``state_dict``).
+        fisher: the Fisher taken (:class:`~leantrain.precond.FisherOptions`).
+        **fisher_kwargs: its fields as keywords, overriding ``fisher``'s (the
+            constructors' keyword form, folded in by ``FisherOptions.resolve``).
     """
+
+    # FisherOptions fields the method fixes (SMW-NG and SENG: the empirical Fisher).
+    fixed_fisher: dict[str, Any] = {}
 
     def __init__(
         self,
         model: nn.Module,
         config: PreconditioningConfig | None,
         *,
-        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"],
-        n_mc_samples: int = 1,
-        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        logits_fn: Callable[[Any], Tensor] | None = None,
-        seed: int = 0,
+        fisher: FisherOptions | None = None,
+        **fisher_kwargs: Any,
     ) -> None:
-        check_choice("fisher_type", fisher_type, FISHER_TYPES)
-        check_choice("loss_type", loss_type, ("cross_entropy", "mse"))
-        check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
-        if isinstance(n_mc_samples, bool) or not isinstance(n_mc_samples, int):
-            raise TypeError(f"n_mc_samples must be an int, got {n_mc_samples!r}")
-        if n_mc_samples < 1:
-            raise ValueError(f"n_mc_samples must be >= 1, got {n_mc_samples}")
-        if logits_fn is not None and not callable(logits_fn):
-            raise TypeError(f"logits_fn must be callable, got {logits_fn!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        self.fisher_type = fisher_type
-        self.n_mc_samples = n_mc_samples
-        self.loss_type = loss_type
-        self.loss_reduction = loss_reduction
-        self.logits_fn = logits_fn or default_logits
+        self.fisher_options = FisherOptions.resolve(
+            fisher, fisher_kwargs, maker=type(self).__name__, fixed=self.fixed_fisher
+        )
         # Made on the device of the logits they are drawn for (see _random).
-        self.generators = DeviceGenerators(seed)
+        self.generators = DeviceGenerators(self.fisher_options.seed)
         super().__init__(model, config)
+
+    # The options, read where the pass needs them.
+    @property
+    def fisher_type(self) -> str:
+        return self.fisher_options.fisher_type
+
+    @property
+    def n_mc_samples(self) -> int:
+        return self.fisher_options.n_mc_samples
+
+    @property
+    def loss_type(self) -> str:
+        return self.fisher_options.loss_type
+
+    @property
+    def loss_reduction(self) -> str:
+        return self.fisher_options.loss_reduction
+
+    @property
+    def logits_fn(self) -> Callable[[Any], Tensor]:
+        return self.fisher_options.logits_fn or default_logits
 
     def is_supported(self, module: nn.Module) -> bool:
         """Linear (and subclasses), Conv2d, Embedding, LayerNorm, BatchNorm1d/2d,

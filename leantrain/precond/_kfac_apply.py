@@ -1,9 +1,10 @@
 r"""How K-FAC writes a preconditioned gradient into ``.grad``, and saves its inverses.
 
-The factored route of :class:`~leantrain.precond.kfac.KfacGradientMaker`: a plain
-``nn.Linear`` whose weight gradient was skipped (``_factored.py``) gets
+The output-gradient shortcut of
+:class:`~leantrain.precond.methods.kfac.KfacGradientMaker`: a plain ``nn.Linear``
+whose weight gradient was skipped (``_output_grad_shortcut.py``) gets
 ``(B^{-1} E^T)([X, 1] A^{-1})`` from its output-gradients ``E`` and inputs ``X``,
-with cached inverses, Cholesky factors (:func:`write_factored`) or the inverse
+with cached inverses, Cholesky factors (:func:`write_shortcut`) or the inverse
 operators of low-rank factors (:func:`write_operators`, ``_gram.py``).
 :func:`inverse_state` / :func:`inverses_from_state` flatten the maker's inverses
 for ``state_dict`` and back.
@@ -22,7 +23,7 @@ __all__ = [
     "inverse_state",
     "inverses_from_state",
     "split_inverse",
-    "write_factored",
+    "write_shortcut",
     "write_operators",
 ]
 
@@ -43,7 +44,7 @@ def split_inverse(a: Tensor, k: int) -> tuple[Tensor, ...]:
     )
 
 
-def write_factored(
+def write_shortcut(
     op: Any,
     x: Tensor,
     e: Tensor,
@@ -57,7 +58,7 @@ def write_factored(
     ``e`` ``(N, R)``: ``(B^{-1} E^T)([X, 1] A^{-1})`` split into weight and bias, or
     the plain ``E^T [X, 1]`` without ``a`` and ``b``. Equals ``B^{-1} G A^{-1}``
     with ``G = E^T [X, 1]``
-    (see :func:`~leantrain.precond._factored.factored_is_cheaper`).
+    (see :func:`~leantrain.precond._output_grad_shortcut.shortcut_is_cheaper`).
     ``a`` and ``b`` are the damped inverses, or with ``cholesky`` their lower
     Cholesky factors (applied by triangular solves). ``a_parts``: ``a`` already
     cut by :func:`split_inverse` (layers with a bias), in ``x``'s dtype.

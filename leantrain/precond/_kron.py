@@ -25,9 +25,9 @@ from torch import Tensor, nn
 
 from leantrain.precond._checks import check_extra_state
 from leantrain.precond._coverage import hidden_parameters
-from leantrain.precond._factored import LinearCapture
 from leantrain.precond._fisher import FisherMaker
 from leantrain.precond._gram import LowRankFactor
+from leantrain.precond._output_grad_shortcut import LinearCapture
 from leantrain.precond._safeguards import PlainGradient
 from leantrain.precond.curv import (
     CurvatureCollector,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from leantrain.precond._denormal import autocast_off, curvature_arithmetic
+from leantrain.precond._denormal import autocast_off
 from leantrain.precond._gram import LowRankFactor
 from leantrain.precond.curv import as_loss_spec
 from leantrain.precond.curv._recompute import refuse_reentrant_checkpoint
@@ -41,7 +41,7 @@ from leantrain.precond.curv.extension import eager
 from leantrain.precond.curv.kinds import reduction_factor
 from leantrain.precond.gradient_maker import unwrap_model
 
-__all__ = ["LoopRecorder", "ModuleHookGuards", "amp_scale", "finish_step"]
+__all__ = ["LoopRecorder", "ModuleHookGuards", "amp_scale"]
 
 
 @dataclass
@@ -123,10 +123,10 @@ class LoopRecorder:
             return  # evaluation (no backward follows), or a deep copy of the model
         coll, maker = self.collector, self.maker
         calls, outputs = coll._calls, coll._outputs
-        # A fresh recording for the next call; the gradient hooks of this call keep
-        # writing into its own call records.
-        coll._calls = {name: [] for name in coll.ops}
-        coll._outputs = []
+        # A fresh recording for the next call (its own batch: micro-batches may
+        # differ in size); the gradient hooks of this call keep writing into its
+        # own call records.
+        coll.next_call()
         logits = maker._logits(output)
         spec = as_loss_spec(maker.loss_type)
         spec = type(spec)(spec.name, maker.loss_reduction)
@@ -283,62 +283,6 @@ class LoopRecorder:
                 sum(p[i] * (f.batch / total) for p, f in zip(parts, live, strict=True))
                 for i in range(len(parts[0]))
             ]
-
-
-@torch.no_grad()
-def finish_step(
-    maker: Any,
-    recorder: LoopRecorder | None,
-    loss_scale: float | Tensor,
-    *,
-    scaled: bool,
-) -> bool:
-    """What a maker's ``forward_and_backward`` runs after its curvature pass, for a
-    step whose forward and backward ran elsewhere (the user's loop, or the maker's
-    micro-batches): fold in the recorded micro-batches (``recorder``; ``None``:
-    statistics from ``.grad``), run the due updates on finite gradients, then
-    precondition; ``maker.step`` advances.
-
-    Args:
-        loss_scale: the factor the losses were multiplied by (a float, or a
-            ``GradScaler``'s 0-dim scale tensor, read only when curvature is due).
-        scaled: a ``GradScaler`` drives the step (it skips a non-finite one itself;
-            only the curvature of such a pass is discarded). Without one, a
-            non-finite gradient skips the whole step under ``config.nonfinite``.
-
-    Returns:
-        False when the step was skipped (nothing updated, ``maker.step`` kept).
-    """
-    from leantrain.precond._patterns import check_trainable
-
-    check_trainable(maker)
-    maker._check_total_steps()
-    curvature_due = maker.config.curvature_due(maker.step)
-    preconditioner_due = maker.config.preconditioner_due(maker.step)
-    # The finiteness checks of the maker's step: before a curvature update (the
-    # statistics), and after the preconditioning without a scaler (the policy).
-    if curvature_due:
-        if not maker._gradients_are_finite():
-            if not scaled:  # the caller takes back the recording
-                maker._skip_nonfinite_step(True, "gradient")
-                return False
-            # As the maker: discard this step's curvature, keep the gradient.
-            curvature_due = preconditioner_due = False
-            maker._skip_curvature("gradient")
-            if recorder is not None:
-                recorder.stop()  # the recorded calls belong to no step
-    if curvature_due:
-        if recorder is not None:
-            recorder.collect(float(loss_scale))
-        with curvature_arithmetic():
-            maker.update_curvature()
-        maker.curvature_updates += 1
-    maker._apply_preconditioner(preconditioner_due)
-    if not scaled and not maker._gradients_are_finite():
-        maker._skip_nonfinite_step(False, "preconditioned gradient")
-        return False
-    maker.step += 1
-    return True
 
 
 _HOOK_GUARDS = "skip_nnmodule_hook_guards"

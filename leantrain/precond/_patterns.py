@@ -11,8 +11,8 @@ and parameters frozen or unfrozen during training.
   runs the plain forward and ``loss.backward()`` with the hooks of
   :class:`~leantrain.precond._loop_record.LoopRecorder` attached, the recorder that
   :class:`~leantrain.precond.PreconditionedOptimizer` uses in a user's loop; the
-  ``k``-th call finishes the step with :func:`~leantrain.precond._loop_record.
-  finish_step`, as that optimizer's ``step()`` does.
+  ``k``-th call finishes the step with the maker's ``finish_step``, as that
+  optimizer's ``step()`` does.
 * **Frozen parameters**: a parameter frozen after the maker was built has no
   ``.grad`` and is skipped; one frozen when the maker was built and trainable later
   would keep its plain gradient, so the step raises.
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from leantrain.precond._loop_record import LoopRecorder
 from leantrain.precond.curv._recompute import refuse_reentrant_checkpoint
 from leantrain.precond.gradient_maker import GradientMaker, loss_scale, unwrap_model
 
@@ -108,8 +109,6 @@ def micro_batch(maker: Any, grad_scaler: Any) -> tuple[Any, Tensor]:
         ValueError: the maker cannot combine micro-batches (the message says why).
         NotImplementedError: under DDP.
     """
-    from leantrain.precond._loop_record import LoopRecorder, finish_step
-
     k = maker.config.accumulation_steps
     if not hasattr(maker, "_micro"):
         why = maker._accumulation_refusal() if k > 1 else None
@@ -145,7 +144,10 @@ def micro_batch(maker: Any, grad_scaler: Any) -> tuple[Any, Tensor]:
         maker._micro = 0
         scale_gradients(maker.model, 1.0 / scale)
         try:
-            finish_step(maker, recorder, scale, scaled=grad_scaler is not None)
+            with torch.no_grad():
+                maker.finish_step(
+                    scaled=grad_scaler is not None, recorder=recorder, loss_scale=scale
+                )
         finally:
             if recorder is not None:
                 recorder.stop()

@@ -42,8 +42,8 @@ from torch import Tensor
 
 __all__ = [
     "PlainGradient",
-    "factored_gradient_dot",
-    "factored_gradient_norm",
+    "shortcut_gradient_dot",
+    "shortcut_gradient_norm",
     "graft",
     "kl_clip_factor",
     "layer_dots",
@@ -116,7 +116,7 @@ def kl_clip_factor(dots: Tensor, lrs: list[float], kl_clip: float) -> Tensor:
     return torch.clamp(torch.sqrt(kl_clip / total.clamp_min(1e-30)), max=1.0)
 
 
-def factored_gradient_norm(x: Tensor, e: Tensor) -> Tensor:
+def shortcut_gradient_norm(x: Tensor, e: Tensor) -> Tensor:
     r"""``||E^T X||_F`` of a linear layer's weight gradient from its inputs ``X``
     ``(N, i)`` and output-gradients ``E`` ``(N, o)``, without forming it when the
     Gram form is cheaper: :math:`\|E^T X\|_F^2 = \sum (E E^T) \circ (X X^T)`."""
@@ -129,7 +129,7 @@ def factored_gradient_norm(x: Tensor, e: Tensor) -> Tensor:
     return torch.linalg.matrix_norm(e.T @ x)
 
 
-def factored_gradient_dot(x: Tensor, e: Tensor, weight: Tensor) -> Tensor:
+def shortcut_gradient_dot(x: Tensor, e: Tensor, weight: Tensor) -> Tensor:
     """``<W, E^T X>``, a weight-shaped ``W`` ``(o, i)`` against the never-formed
     gradient of a linear layer: ``sum((E W) * X)``."""
     dtype = _accumulation_dtype([x, e, weight])
@@ -157,7 +157,7 @@ class PlainGradient:
     ) -> None:
         norms = layer_norms(layers)
         for i, (x, e, has_bias) in factored.items():
-            squares = factored_gradient_norm(x, e).square()
+            squares = shortcut_gradient_norm(x, e).square()
             if has_bias:
                 squares = squares + e.sum(0).to(squares.dtype).square().sum()
             norms[i] = squares.sqrt()
@@ -165,7 +165,7 @@ class PlainGradient:
         self._layers = (
             [[t.clone() for t in layer] for layer in layers] if keep else None
         )
-        self._factored = factored
+        self._output_grad_shortcut = factored
 
     def dots(self, after: list[list[Tensor]]) -> Tensor:
         """``<P_l, G_l>`` of the preconditioned gradients ``after`` with these."""
@@ -173,12 +173,16 @@ class PlainGradient:
             raise RuntimeError("PlainGradient(keep=False) holds no copies")
         # Factored layers had no .grad before (their dots come from X and E).
         plain = [
-            [] if i in self._factored else lay for i, lay in enumerate(self._layers)
+            [] if i in self._output_grad_shortcut else lay
+            for i, lay in enumerate(self._layers)
         ]
-        mine = [[] if i in self._factored else lay for i, lay in enumerate(after)]
+        mine = [
+            [] if i in self._output_grad_shortcut else lay
+            for i, lay in enumerate(after)
+        ]
         dots = layer_dots(mine, plain)
-        for i, (x, e, has_bias) in self._factored.items():
-            dot = factored_gradient_dot(x, e, after[i][0])
+        for i, (x, e, has_bias) in self._output_grad_shortcut.items():
+            dot = shortcut_gradient_dot(x, e, after[i][0])
             if has_bias:
                 dot = dot + (after[i][1].to(dot.dtype) * e.sum(0).to(dot.dtype)).sum()
             dots[i] = dot

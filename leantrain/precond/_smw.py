@@ -135,6 +135,8 @@ class WoodburyMaker(HookedMaker):
     ``None``.
     """
 
+    fixed_fisher = {"fisher_type": "fisher_emp", "n_mc_samples": 1}
+
     def __init__(
         self,
         model: nn.Module,
@@ -154,8 +156,7 @@ class WoodburyMaker(HookedMaker):
             config,
             shapes=(),
             keep_sites=True,
-            fisher_type="fisher_emp",
-            **fisher,  # loss_type, loss_reduction, logits_fn, seed
+            **fisher,
         )
 
     def update_curvature(self) -> None:

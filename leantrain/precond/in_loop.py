@@ -4,9 +4,10 @@ A gradient maker owns forward and backward; HF ``Trainer`` and Lightning own the
 too. :class:`PreconditionedOptimizer` wraps the optimizer the trainer steps instead:
 the maker's curvature is recorded by module hooks during the trainer's ordinary
 forward and backward (see :mod:`leantrain.precond._loop_record`), and ``step()``
-runs what the maker's ``forward_and_backward()`` runs after its pass (the due
-curvature and preconditioner updates, then the preconditioning of ``.grad``) before
-the wrapped optimizer's step. On the same batches the result is the maker's.
+runs what the maker's ``forward_and_backward()`` runs after its pass, the maker's
+``finish_step`` (the due curvature and preconditioner updates, then the
+preconditioning of ``.grad``), before the wrapped optimizer's step. On the same
+batches the result is the maker's.
 
 Which makers work this way (:data:`IN_LOOP_METHODS`): those whose statistics come
 from one forward and one backward of the user's loss. Makers that must run the model
@@ -29,16 +30,12 @@ from torch import nn
 
 from leantrain.precond._hooked import HookedMaker
 from leantrain.precond._kron import KronFactorMaker
-from leantrain.precond._loop_record import (
-    LoopRecorder,
-    ModuleHookGuards,
-    amp_scale,
-    finish_step,
-)
+from leantrain.precond._loop_record import LoopRecorder, ModuleHookGuards, amp_scale
+from leantrain.precond._patterns import check_trainable
+from leantrain.precond.methods.shampoo import ShampooGradientMaker
+from leantrain.precond.methods.soap import SoapGradientMaker
 from leantrain.precond.preconditioned import PreconditionedGradientMaker
 from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
-from leantrain.precond.shampoo import ShampooGradientMaker
-from leantrain.precond.soap import SoapGradientMaker
 
 __all__ = [
     "IN_LOOP_METHODS",
@@ -354,9 +351,13 @@ class PreconditionedOptimizer(torch.optim.Optimizer):
         # wrapped optimizer; lent for the step only (the maker keeps no reference).
         self.maker._lr_of = self._lr_of
         try:
-            finished = finish_step(
-                self.maker, self._recorder, scale, scaled=found_inf is not None
-            )
+            check_trainable(self.maker)
+            with torch.no_grad():
+                finished = self.maker.finish_step(
+                    scaled=found_inf is not None,
+                    recorder=self._recorder,
+                    loss_scale=scale,
+                )
         except FloatingPointError:  # config.nonfinite="raise"
             self._skip_step()
             raise

@@ -297,13 +297,13 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
     _records_backward = False
 
     def _step(self, scale: float, grad_scaler: Any) -> tuple[Any, Tensor]:
+        """One step on the whole batch: the pass (the curvature pass when curvature
+        is due), then :meth:`finish_step` on the unscaled gradient."""
         self._check_total_steps()
-        curvature_due = self.config.curvature_due(self.step)
-        preconditioner_due = self.config.preconditioner_due(self.step)
         self._scaling(grad_scaler)
         try:
             with refuse_reentrant_checkpoint(type(self).__name__):
-                if curvature_due:
+                if self.config.curvature_due(self.step):
                     self._check_no_backward_averager()
                     output, loss = self._curvature_pass()
                 else:
@@ -311,17 +311,66 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         finally:
             self._scaling(None)
         _patterns.scale_gradients(self.model, 1.0 / scale)
-        if curvature_due and not self._pass_is_finite(loss):
-            if grad_scaler is None:
-                self._skip_nonfinite_step(curvature_due, "loss or gradient")
-                return output, loss
-            # Overflow under GradScaler: this pass's curvature is discarded so the
-            # running estimate, the EMA and the inverses stay those of the last
-            # finite step. The gradient is written as it is (non-finite), for the
-            # scaler to skip the step.
-            curvature_due = preconditioner_due = False
-            self._skip_curvature("loss or gradient")
-        elif curvature_due:
+        if not self.finish_step(scaled=grad_scaler is not None, loss=loss):
+            return output, loss
+        _patterns.scale_gradients(self.model, scale)
+        return output, unscaled(loss, grad_scaler)
+
+    def finish_step(
+        self,
+        *,
+        scaled: bool,
+        loss: Tensor | None = None,
+        recorder: Any = None,
+        loss_scale: float | Tensor = 1.0,
+    ) -> bool:
+        """The step schedule, once the (unscaled) gradient is in ``.grad``: due ->
+        finite -> update curvature -> update preconditioner -> precondition ->
+        count. Every way through a step runs it: :meth:`forward_and_backward` after
+        its pass, the last of ``config.accumulation_steps`` micro-batches, and
+        ``PreconditionedOptimizer.step()``.
+
+        Args:
+            scaled: a ``GradScaler`` drives the step (it skips a non-finite one
+                itself; only the curvature of such a pass is discarded). Without
+                one, a non-finite gradient skips the whole step under
+                ``config.nonfinite``.
+            loss: the loss of the maker's own curvature pass, checked with the
+                gradients (``None``: the gradients alone, the pass ran elsewhere).
+            recorder: the ``LoopRecorder`` whose recorded micro-batches are folded
+                in before the curvature update (``None``: the pass set the
+                statistics, or they are read from ``.grad``).
+            loss_scale: the factor the recorded losses were multiplied by (a
+                float, or a ``GradScaler``'s 0-dim scale tensor, read on the host
+                only when curvature is due).
+
+        Returns:
+            False when the step was skipped (nothing updated, ``step`` kept).
+        """
+        self._check_total_steps()
+        curvature_due = self.config.curvature_due(self.step)
+        preconditioner_due = self.config.preconditioner_due(self.step)
+        if curvature_due:
+            what = "gradient" if loss is None else "loss or gradient"
+            if loss is None:
+                finite = self._gradients_are_finite()
+            else:
+                finite = self._pass_is_finite(loss)
+            if not finite:
+                if not scaled:  # the caller takes back a recording
+                    self._skip_nonfinite_step(True, what)
+                    return False
+                # Overflow under GradScaler: this pass's curvature is discarded so
+                # the running estimate, the EMA and the inverses stay those of the
+                # last finite step. The gradient is written as it is (non-finite),
+                # for the scaler to skip the step.
+                curvature_due = preconditioner_due = False
+                self._skip_curvature(what)
+                if recorder is not None:
+                    recorder.stop()  # the recorded calls belong to no step
+        if curvature_due:
+            if recorder is not None:
+                recorder.collect(float(loss_scale))
             with curvature_arithmetic():
                 self.update_curvature()
             self.curvature_updates += 1
@@ -329,12 +378,11 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
         # The non-finite policy's check (the one host synchronisation of a step
         # that refreshes nothing) reads the preconditioned gradient: a NaN of the
         # gradient reaches it, and so does one the preconditioner made.
-        if grad_scaler is None and not self._gradients_are_finite():
+        if not scaled and not self._gradients_are_finite():
             self._skip_nonfinite_step(False, "preconditioned gradient")
-            return output, loss
-        _patterns.scale_gradients(self.model, scale)
+            return False
         self.step += 1
-        return output, unscaled(loss, grad_scaler)
+        return True
 
     def _apply_preconditioner(self, preconditioner_due: bool) -> None:
         """Rebuild the preconditioner if due, then precondition ``.grad`` (grafted

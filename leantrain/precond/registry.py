@@ -84,7 +84,7 @@ _SHAMPOO_CONFIG = {"damping": 1e-4, "ema_decay": 0.95, **_GRAFT}
 
 
 def _spec(module: str, cls: str, **rest: Any) -> MethodSpec:
-    return MethodSpec(f"leantrain.precond.{module}", cls, **rest)
+    return MethodSpec(f"leantrain.precond.methods.{module}", cls, **rest)
 
 
 def _kfac(*, every_10: bool = False) -> MethodSpec:

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.ekfac import EkfacGradientMaker
-from leantrain.precond.kbfgs import KbfgsGradientMaker
-from leantrain.precond.kfac import KfacGradientMaker
-from leantrain.precond.psgd import PsgdGradientMaker
-from leantrain.precond.shampoo import ShampooGradientMaker
+from leantrain.precond.methods.ekfac import EkfacGradientMaker
+from leantrain.precond.methods.kbfgs import KbfgsGradientMaker
+from leantrain.precond.methods.kfac import KfacGradientMaker
+from leantrain.precond.methods.psgd import PsgdGradientMaker
+from leantrain.precond.methods.shampoo import ShampooGradientMaker
 from tests.distributed.launch import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.hessian_free import HessianFreeGradientMaker
-from leantrain.precond.natural_gradient import NaturalGradientMaker
-from leantrain.precond.newton import NewtonGradientMaker
-from leantrain.precond.seng import SengGradientMaker
-from leantrain.precond.smw_ng import SmwNgGradientMaker
+from leantrain.precond.methods.hessian_free import HessianFreeGradientMaker
+from leantrain.precond.methods.natural_gradient import NaturalGradientMaker
+from leantrain.precond.methods.newton import NewtonGradientMaker
+from leantrain.precond.methods.seng import SengGradientMaker
+from leantrain.precond.methods.smw_ng import SmwNgGradientMaker
 from tests.distributed.launch import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond._denormal import denormals_flushed, flushing_denormals
-from leantrain.precond.kfac import KfacGradientMaker
+from leantrain.precond.methods.kfac import KfacGradientMaker
 
 SUBNORMAL = 2.0**-140  # float32 subnormal (smallest normal: 2^-126)
 

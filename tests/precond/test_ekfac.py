@@ -12,8 +12,8 @@ from _kron_reference import canonical_grad, kron_factors, per_example_grads
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.ekfac import EkfacGradientMaker
-from leantrain.precond.kfac import KfacGradientMaker
+from leantrain.precond.methods.ekfac import EkfacGradientMaker
+from leantrain.precond.methods.kfac import KfacGradientMaker
 
 
 def mlp() -> nn.Module:

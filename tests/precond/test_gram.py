@@ -16,7 +16,7 @@ from leantrain.precond._gram import (
     LowRankFactor,
     factor_inverse,
 )
-from leantrain.precond.kfac import KfacGradientMaker
+from leantrain.precond.methods.kfac import KfacGradientMaker
 
 
 def dense_inverse(factor: LowRankFactor, damping: float) -> torch.Tensor:

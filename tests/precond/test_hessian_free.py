@@ -16,7 +16,10 @@ from torch import nn
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond.curv import dense_ggn, dense_hessian
-from leantrain.precond.hessian_free import HessianFreeGradientMaker, conjugate_gradient
+from leantrain.precond.methods.hessian_free import (
+    HessianFreeGradientMaker,
+    conjugate_gradient,
+)
 
 
 def test_cg_solves_spd_system():

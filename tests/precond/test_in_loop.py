@@ -30,7 +30,8 @@ SCHEDULE = {
     "curvature_interval": 2,
     "preconditioner_interval": 4,
 }
-# The position embedding sees (T,) positions, not the batch: not tracked by hooks.
+# The position embedding is left out of these cases (test_broadcast_positions.py
+# checks it against the dense definitions).
 IGNORE = {"ignore_modules": ("wpe",)}
 
 EMP = {"fisher_type": "fisher_emp"}

@@ -13,7 +13,7 @@ from _kron_reference import canonical_grad, layer_data
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.kbfgs import (
+from leantrain.precond.methods.kbfgs import (
     KbfgsGradientMaker,
     bfgs_inverse_update,
     powell_lm_damping,

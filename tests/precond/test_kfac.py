@@ -18,7 +18,7 @@ from _kron_reference import (
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.kfac import KfacGradientMaker, kfac_precondition
+from leantrain.precond.methods.kfac import KfacGradientMaker, kfac_precondition
 
 
 def assert_exact_damping_equals_dense(model, x, t, names, kind, lam=1e-2):

@@ -18,7 +18,7 @@ from torch import nn
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond._gram import GramInverse
-from leantrain.precond.kfac import KfacGradientMaker
+from leantrain.precond.methods.kfac import KfacGradientMaker
 
 
 # -- fast paths: same results as the dense formulas --------------------------------

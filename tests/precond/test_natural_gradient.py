@@ -20,7 +20,10 @@ from torch import nn
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond.curv import dense_empirical_fisher, dense_ggn
-from leantrain.precond.natural_gradient import NaturalGradientMaker, natural_gradient
+from leantrain.precond.methods.natural_gradient import (
+    NaturalGradientMaker,
+    natural_gradient,
+)
 
 DAMPING = 1e-2
 

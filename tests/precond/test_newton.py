@@ -20,7 +20,7 @@ from _ng_reference import (
 from torch.func import functional_call, hessian
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.newton import NewtonGradientMaker, newton_direction
+from leantrain.precond.methods.newton import NewtonGradientMaker, newton_direction
 
 
 def func_hessian(model, x, t) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.psgd import PsgdGradientMaker, psgd_kron_update
+from leantrain.precond.methods.psgd import PsgdGradientMaker, psgd_kron_update
 
 
 def dense_update(ql, qr, dx, dg, lr):

@@ -22,7 +22,7 @@ from torch import nn
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond.curv import dense_empirical_fisher
-from leantrain.precond.seng import SengGradientMaker
+from leantrain.precond.methods.seng import SengGradientMaker
 
 DAMPING = 1e-2
 

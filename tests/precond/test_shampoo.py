@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
-from leantrain.precond.shampoo import ShampooGradientMaker, inverse_root, inverse_roots
+from leantrain.precond.methods.shampoo import (
+    ShampooGradientMaker,
+    inverse_root,
+    inverse_roots,
+)
 
 
 def root(m: torch.Tensor, p: float, eps: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond.curv import dense_empirical_fisher
-from leantrain.precond.smw_ng import SmwNgGradientMaker, smw_natural_gradient
+from leantrain.precond.methods.smw_ng import SmwNgGradientMaker, smw_natural_gradient
 
 DAMPING = 1e-2
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig, precondition_in_loop
-from leantrain.precond.soap import SoapGradientMaker, eigenbasis, refresh_basis
+from leantrain.precond.methods.soap import SoapGradientMaker, eigenbasis, refresh_basis
 
 BETAS, SHAMPOO_BETA, EPS, FREQ = (0.9, 0.99), 0.8, 1e-8, 3
 

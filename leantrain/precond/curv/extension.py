@@ -40,6 +40,7 @@ from torch import nn
 from leantrain import evaluation
 from leantrain.precond._denormal import autocast_off
 
+from ._broadcast import ForwardShapes, broadcast_embedding
 from ._mha import mha_forward
 from ._recompute import records_evaluation
 from ._selection import build_ops, resolve_ignored
@@ -180,12 +181,20 @@ class CurvatureCollector:
         self._outputs: list[tuple] = []
         self._acc: dict[str, dict] = {name: {} for name in self.ops}
         self._full: torch.Tensor | None = None
-        # Largest leading dimension a tracked module's input had in this forward:
-        # the batch that a broadcast (size-1) embedding input is expanded to.
-        self._batch_seen = 0
+        # The batch and sequence lengths of this forward: what an embedding call
+        # on ids shared by the batch is expanded to (see _broadcast.py).
+        self._shapes = ForwardShapes()
         self.n_passes = 0
         self._checked = False
         self._detached = False  # a call was recorded in a detached evaluation
+
+    def next_call(self) -> None:
+        """Record the following model call afresh (a user's loop: one call per
+        micro-batch), keeping the statistics; the gradient hooks of the calls before
+        keep writing into their own call records."""
+        self._calls = {name: [] for name in self.ops}
+        self._outputs = []
+        self._shapes = ForwardShapes()
 
     # -- hooks -------------------------------------------------------------------
     @autocast_off()
@@ -221,11 +230,11 @@ class CurvatureCollector:
             args = tuple(kwargs.values())
         if not torch.is_grad_enabled() or id(module) not in self._hooked:
             return None  # no gradient, or a deep copy of the model (its hooks too)
-        expanded = broadcast_embedding(module, args, output, self._batch_seen)
+        expanded = broadcast_embedding(module, args, output, self._shapes)
         if expanded is not None:
             args, output = expanded
-        elif args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
-            self._batch_seen = max(self._batch_seen, int(args[0].shape[0]))
+        else:
+            self._shapes.see(module, args)
         self._record(name, args, output, module)
         return output if expanded is not None else None
 
@@ -444,29 +453,6 @@ def _reentrant_rerun() -> bool:
         and not evaluation.is_auxiliary()
         and evaluation.recomputation() == "reentrant"
     )
-
-
-def broadcast_embedding(
-    module: nn.Module, args: tuple, output: object, batch: int
-) -> tuple[tuple, torch.Tensor] | None:
-    """Expand an ``nn.Embedding`` call on ids broadcast over the batch.
-
-    Position ids of shape ``(1, T)`` give a ``(1, T, d)`` output that the model adds
-    to ``(N, T, d)`` token embeddings; its gradient would be summed over the batch,
-    so per-example statistics could not be read from it. When a batch ``N > 1`` was
-    seen earlier in the forward, the ids and the output are expanded to ``N`` (the
-    model computes the same values; the gradient of example ``n`` then flows
-    through copy ``n``). Returns the expanded ``(args, output)``, or ``None``.
-    """
-    if not isinstance(module, nn.Embedding) or batch <= 1 or not args:
-        return None
-    ids = args[0]
-    if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[0] != 1:
-        return None
-    if not isinstance(output, torch.Tensor):
-        return None
-    ids = ids.expand(batch, *ids.shape[1:])
-    return (ids, *args[1:]), output.expand(batch, *output.shape[1:])
 
 
 def _add(acc: dict, key: str, value: torch.Tensor) -> None:

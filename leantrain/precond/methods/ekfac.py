@@ -24,8 +24,7 @@ basis it will be used with. LayerNorm / BatchNorm keep K-FAC's exact unit blocks
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +32,7 @@ from torch import Tensor, nn
 from leantrain.precond._kron import KronFactorMaker, read_canonical, write_canonical
 from leantrain.precond.curv import cholesky_inverse, robust_eigh
 from leantrain.precond.curv._tied import TiedOp
+from leantrain.precond.fisher_options import FisherOptions
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["EkfacGradientMaker", "eigenbasis_scaling", "tied_scaling"]
@@ -92,17 +92,16 @@ class EkfacGradientMaker(KronFactorMaker):
         model: the module to train (plain or ``DistributedDataParallel``).
         config: schedule, damping λ (added to the scaling), EMA decay, ignored
             modules.
-        fisher_type: ``"fisher_mc"``, ``"fisher_exact"`` or ``"fisher_emp"``.
-        n_mc_samples: Monte-Carlo draws per example, averaged.
-        loss_type: ``"cross_entropy"`` or ``"mse"``.
-        loss_reduction: ``"mean"`` or ``"sum"``, as your loss reduces.
-        logits_fn: maps the model output to the logits (batch first).
-        seed: seeds the Monte-Carlo draws.
+        fisher: the Fisher taken (:class:`~leantrain.precond.FisherOptions`:
+            ``fisher_type``, ``n_mc_samples``, ``loss_type``, ``loss_reduction``,
+            ``logits_fn``, ``seed``).
+        **fisher_kwargs: those fields as keywords (``fisher_type="fisher_emp"``),
+            overriding ``fisher``'s.
 
     Example:
         >>> import torch
         >>> import torch.nn.functional as F
-        >>> from leantrain.precond.ekfac import EkfacGradientMaker
+        >>> from leantrain.precond.methods.ekfac import EkfacGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = EkfacGradientMaker(model, fisher_type="fisher_emp")
@@ -118,12 +117,8 @@ class EkfacGradientMaker(KronFactorMaker):
         model: nn.Module,
         config: PreconditioningConfig | None = None,
         *,
-        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"] = "fisher_mc",
-        n_mc_samples: int = 1,
-        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        logits_fn: Callable[[Any], Tensor] | None = None,
-        seed: int = 0,
+        fisher: FisherOptions | None = None,
+        **fisher_kwargs: Any,
     ) -> None:
         # Per module: eigenvectors [(Q_A, Q_B) per site]; scaling s per site.
         self.bases: dict[str, list[tuple[Tensor, Tensor]]] = {}
@@ -134,12 +129,8 @@ class EkfacGradientMaker(KronFactorMaker):
         super().__init__(
             model,
             config,
-            fisher_type=fisher_type,
-            n_mc_samples=n_mc_samples,
-            loss_type=loss_type,
-            loss_reduction=loss_reduction,
-            logits_fn=logits_fn,
-            seed=seed,
+            fisher=fisher,
+            **fisher_kwargs,
         )
         self._collector.on_pass = self._passes.append
 

@@ -99,7 +99,7 @@ class KbfgsGradientMaker(PreconditionedGradientMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.kbfgs import KbfgsGradientMaker
+        >>> from leantrain.precond.methods.kbfgs import KbfgsGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = KbfgsGradientMaker(model, PreconditioningConfig(damping=1e-2))

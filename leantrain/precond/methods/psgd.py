@@ -107,7 +107,7 @@ class PsgdGradientMaker(PreconditionedGradientMaker):
     Example:
         >>> import torch
         >>> import torch.nn.functional as F
-        >>> from leantrain.precond.psgd import PsgdGradientMaker
+        >>> from leantrain.precond.methods.psgd import PsgdGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = PsgdGradientMaker(model, precond_lr=0.1)

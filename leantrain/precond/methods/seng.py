@@ -26,8 +26,7 @@ leaves them multiplied by the batch size).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +35,7 @@ from leantrain.precond._checks import check_extra_state
 from leantrain.precond._kron import read_canonical, write_canonical
 from leantrain.precond._smw import WoodburyMaker
 from leantrain.precond.curv import robust_eigh
+from leantrain.precond.fisher_options import FisherOptions
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["SengGradientMaker"]
@@ -55,17 +55,16 @@ class SengGradientMaker(WoodburyMaker):
         config: schedule and damping :math:`\lambda`; ``ema_decay`` must be ``None``.
         sketching_size: examples kept per curvature update (>= 1).
         truncated_rank: eigenpairs kept per module (>= 1), ``None`` for all.
-        loss_type: ``"cross_entropy"`` or ``"mse"``.
-        loss_reduction: ``"mean"`` or ``"sum"``, as your loss reduces.
-        logits_fn: maps the model output to the logits (batch first).
-        seed: seeds the example sketch (saved by ``state_dict``; under DDP every rank
-            draws the same examples of the union batch).
+        fisher: the loss, its reduction, ``logits_fn`` and ``seed``
+            (:class:`~leantrain.precond.FisherOptions`); the Fisher is the
+            empirical one (``fisher_type="fisher_emp"``, fixed).
+        **fisher_kwargs: those fields as keywords, overriding ``fisher``'s.
 
     Example:
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.seng import SengGradientMaker
+        >>> from leantrain.precond.methods.seng import SengGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = SengGradientMaker(model, PreconditioningConfig(damping=1e-2),
@@ -82,12 +81,10 @@ class SengGradientMaker(WoodburyMaker):
         model: nn.Module,
         config: PreconditioningConfig | None = None,
         *,
+        fisher: FisherOptions | None = None,
         sketching_size: int = 256,
         truncated_rank: int | None = 16,
-        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        logits_fn: Callable[[Any], Tensor] | None = None,
-        seed: int = 0,
+        **fisher_kwargs: Any,
     ) -> None:
         for name, value in (
             ("sketching_size", sketching_size),
@@ -106,10 +103,8 @@ class SengGradientMaker(WoodburyMaker):
         super().__init__(
             model,
             config,
-            loss_type=loss_type,
-            loss_reduction=loss_reduction,
-            logits_fn=logits_fn,
-            seed=seed,
+            fisher=fisher,
+            **fisher_kwargs,
         )
 
     def update_curvature(self) -> None:

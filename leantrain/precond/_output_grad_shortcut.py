@@ -4,7 +4,7 @@ A linear layer's weight gradient is ``G = E^T X`` (output-gradients ``E``, input
 ``X``, one row per example). A Kronecker-factored preconditioner only needs
 ``B^{-1} G A^{-1}``, which can be formed as ``(B^{-1} E^T)(X A^{-1})`` without ``G``:
 cheaper when the batch is smaller than the layer is wide (see
-:func:`factored_is_cheaper`). :class:`LinearCapture` keeps ``(X, output)`` of the
+:func:`shortcut_is_cheaper`). :class:`LinearCapture` keeps ``(X, output)`` of the
 layers where that pays so that the backward can stop at the output and hand ``E``
 to the preconditioner (K-FAC, Shampoo) instead of forming ``.grad``.
 """
@@ -18,10 +18,10 @@ from torch import Tensor, nn
 
 from leantrain import evaluation
 
-__all__ = ["LinearCapture", "factored_is_cheaper"]
+__all__ = ["LinearCapture", "shortcut_is_cheaper"]
 
 
-def factored_is_cheaper(rows: int, cols: int, n: int) -> bool:
+def shortcut_is_cheaper(rows: int, cols: int, n: int) -> bool:
     r"""Whether ``(B^{-1} E^T)(X A^{-1})`` beats forming ``G = E^T X`` first.
 
     For a linear layer seen by ``n`` examples (no weight sharing), ``G = E^T X``
@@ -39,7 +39,7 @@ class LinearCapture:
 
     Used to skip the weight gradient of layers whose preconditioned gradient is
     cheaper to form from the factors ``E`` (output-gradient) and ``X`` (input); see
-    :func:`factored_is_cheaper`. A module called more than once, or whose output is
+    :func:`shortcut_is_cheaper`. A module called more than once, or whose output is
     later modified in place, is dropped at backward time (its gradient is computed
     as usual).
     """
@@ -84,7 +84,7 @@ class LinearCapture:
             and x.ndim == 2
             and isinstance(output, Tensor)
             and output.requires_grad
-            and factored_is_cheaper(
+            and shortcut_is_cheaper(
                 module.out_features,
                 module.in_features + self.bias_column,
                 x.shape[0],

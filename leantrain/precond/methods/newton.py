@@ -58,7 +58,7 @@ class NewtonGradientMaker(AutogradMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.newton import NewtonGradientMaker
+        >>> from leantrain.precond.methods.newton import NewtonGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = NewtonGradientMaker(model, PreconditioningConfig(damping=1e-1),

@@ -20,8 +20,7 @@ benchmark's setting is in ``docs/precond_methods_ng.md``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +29,7 @@ from leantrain.precond._checks import check_extra_state
 from leantrain.precond._kron import read_canonical, write_canonical
 from leantrain.precond._smw import WoodburyMaker
 from leantrain.precond.curv import cholesky_ex
+from leantrain.precond.fisher_options import FisherOptions
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["SmwNgGradientMaker", "smw_natural_gradient"]
@@ -62,15 +62,16 @@ class SmwNgGradientMaker(WoodburyMaker):
     Args:
         model: the module to train (plain or ``DistributedDataParallel``).
         config: schedule and damping :math:`\lambda`; ``ema_decay`` must be ``None``.
-        loss_type: ``"cross_entropy"`` or ``"mse"``.
-        loss_reduction: ``"mean"`` or ``"sum"``, as your loss reduces.
-        logits_fn: maps the model output to the logits (batch first).
+        fisher: the loss, its reduction, ``logits_fn`` and ``seed``
+            (:class:`~leantrain.precond.FisherOptions`); the Fisher is the
+            empirical one (``fisher_type="fisher_emp"``, fixed).
+        **fisher_kwargs: those fields as keywords, overriding ``fisher``'s.
 
     Example:
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.smw_ng import SmwNgGradientMaker
+        >>> from leantrain.precond.methods.smw_ng import SmwNgGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = SmwNgGradientMaker(model, PreconditioningConfig(damping=1e-2))
@@ -88,18 +89,16 @@ class SmwNgGradientMaker(WoodburyMaker):
         model: nn.Module,
         config: PreconditioningConfig | None = None,
         *,
-        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        logits_fn: Callable[[Any], Tensor] | None = None,
+        fisher: FisherOptions | None = None,
+        **fisher_kwargs: Any,
     ) -> None:
         # Cholesky factor of lambda I_N + U^T U (summed over modules).
         self.cholesky: Tensor | None = None
         super().__init__(
             model,
             config,
-            loss_type=loss_type,
-            loss_reduction=loss_reduction,
-            logits_fn=logits_fn,
+            fisher=fisher,
+            **fisher_kwargs,
         )
 
     def update_preconditioner(self) -> None:

@@ -23,7 +23,6 @@ rejected when the maker is built.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -33,6 +32,7 @@ from leantrain.precond._checks import check_choice, check_extra_state
 from leantrain.precond._hooked import HookedMaker
 from leantrain.precond._kron import read_canonical, write_canonical
 from leantrain.precond.curv import damped_cholesky
+from leantrain.precond.fisher_options import FisherOptions
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["NG_SHAPES", "NaturalGradientMaker", "damped_cholesky", "natural_gradient"]
@@ -78,13 +78,12 @@ class NaturalGradientMaker(HookedMaker):
     Args:
         model: the module to train (plain or ``DistributedDataParallel``).
         config: schedule, damping :math:`\lambda`, EMA decay, ignored modules.
-        fisher_type: ``"fisher_mc"``, ``"fisher_exact"`` or ``"fisher_emp"``.
+        fisher: the Fisher taken (:class:`~leantrain.precond.FisherOptions`:
+            ``fisher_type``, ``n_mc_samples``, ``loss_type``, ``loss_reduction``,
+            ``logits_fn``, ``seed``).
+        **fisher_kwargs: those fields as keywords (``fisher_type="fisher_emp"``),
+            overriding ``fisher``'s.
         shape: ``"full"``, ``"layer"``, ``"unit"`` or ``"diag"``.
-        n_mc_samples: draws for ``"fisher_mc"`` (averaged).
-        loss_type: ``"cross_entropy"`` or ``"mse"``: the likelihood of the Fisher.
-        loss_reduction: ``"mean"`` or ``"sum"``, as your loss reduces.
-        logits_fn: maps the model output to the logits (batch first).
-        seed: seeds the Monte-Carlo draws (saved by ``state_dict``).
         max_block: largest dense block (parameters) ``"full"`` / ``"layer"`` accept.
 
     Raises:
@@ -95,7 +94,7 @@ class NaturalGradientMaker(HookedMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.natural_gradient import NaturalGradientMaker
+        >>> from leantrain.precond.methods.natural_gradient import NaturalGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = NaturalGradientMaker(model, PreconditioningConfig(damping=1e-3),
@@ -112,14 +111,10 @@ class NaturalGradientMaker(HookedMaker):
         model: nn.Module,
         config: PreconditioningConfig | None = None,
         *,
-        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"] = "fisher_mc",
+        fisher: FisherOptions | None = None,
         shape: Literal["full", "layer", "unit", "diag"] = "full",
-        n_mc_samples: int = 1,
-        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        logits_fn: Callable[[Any], Tensor] | None = None,
-        seed: int = 0,
         max_block: int = 16384,
+        **fisher_kwargs: Any,
     ) -> None:
         self.shape = check_choice("shape", shape, NG_SHAPES)
         if isinstance(max_block, bool) or not isinstance(max_block, int):
@@ -132,14 +127,10 @@ class NaturalGradientMaker(HookedMaker):
         super().__init__(
             model,
             config,
+            fisher=fisher,
+            **fisher_kwargs,
             shapes=(shape,),
             keep_sites=False,
-            fisher_type=fisher_type,
-            n_mc_samples=n_mc_samples,
-            loss_type=loss_type,
-            loss_reduction=loss_reduction,
-            logits_fn=logits_fn,
-            seed=seed,
         )
         self.couples_modules = shape == "full"
         sizes = {name: op.numel for name, op in self.ops.items()}

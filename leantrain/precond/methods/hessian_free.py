@@ -94,7 +94,7 @@ class HessianFreeGradientMaker(AutogradMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.hessian_free import HessianFreeGradientMaker
+        >>> from leantrain.precond.methods.hessian_free import HessianFreeGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = HessianFreeGradientMaker(model, PreconditioningConfig(damping=1e-2),

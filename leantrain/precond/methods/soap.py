@@ -143,7 +143,7 @@ class SoapGradientMaker(PreconditionedGradientMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.soap import SoapGradientMaker
+        >>> from leantrain.precond.methods.soap import SoapGradientMaker
         >>> model = torch.nn.Linear(4, 3)
         >>> cfg = PreconditioningConfig(
         ...     preconditioner_interval=10, ema_decay=0.95, damping=1e-8)

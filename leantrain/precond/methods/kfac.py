@@ -21,7 +21,6 @@ statistics as constants (the usual K-FAC approximation).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -38,8 +37,8 @@ from leantrain.precond._kfac_apply import (
     inverse_state,
     inverses_from_state,
     split_inverse,
-    write_factored,
     write_operators,
+    write_shortcut,
 )
 from leantrain.precond._kron import (
     KronFactorMaker,
@@ -55,6 +54,7 @@ from leantrain.precond.curv import (
     robust_eigh,
 )
 from leantrain.precond.curv.modules import LinearOp
+from leantrain.precond.fisher_options import FisherOptions
 from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = ["DAMPING_MODES", "KfacGradientMaker", "kfac_precondition"]
@@ -114,13 +114,12 @@ class KfacGradientMaker(KronFactorMaker):
     Args:
         model: the module to train (plain or ``DistributedDataParallel``).
         config: schedule, damping λ, EMA decay, ignored modules.
-        fisher_type: ``"fisher_mc"``, ``"fisher_exact"`` or ``"fisher_emp"``.
-        n_mc_samples: Monte-Carlo draws per example, averaged.
+        fisher: the Fisher taken (:class:`~leantrain.precond.FisherOptions`:
+            ``fisher_type``, ``n_mc_samples``, ``loss_type``, ``loss_reduction``,
+            ``logits_fn``, ``seed``).
+        **fisher_kwargs: those fields as keywords (``fisher_type="fisher_emp"``),
+            overriding ``fisher``'s.
         damping_mode: ``"pi"``, ``"tikhonov"`` or ``"exact"`` (module docstring).
-        loss_type: ``"cross_entropy"`` or ``"mse"``.
-        loss_reduction: ``"mean"`` or ``"sum"``, as your loss reduces.
-        logits_fn: maps the model output to the logits (batch first).
-        seed: seeds the Monte-Carlo draws.
         low_rank: allow the Gram-matrix inverses of low-rank factors (single
             process, ``ema_decay=None``, ``preconditioner_interval=1``, not
             ``"exact"``); ``False`` always forms the factors.
@@ -129,7 +128,7 @@ class KfacGradientMaker(KronFactorMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.kfac import KfacGradientMaker
+        >>> from leantrain.precond.methods.kfac import KfacGradientMaker
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
         ...                             torch.nn.Linear(8, 3))
         >>> gm = KfacGradientMaker(model, PreconditioningConfig(damping=1e-3))
@@ -145,14 +144,10 @@ class KfacGradientMaker(KronFactorMaker):
         model: nn.Module,
         config: PreconditioningConfig | None = None,
         *,
-        fisher_type: Literal["fisher_mc", "fisher_exact", "fisher_emp"] = "fisher_mc",
-        n_mc_samples: int = 1,
+        fisher: FisherOptions | None = None,
         damping_mode: Literal["pi", "tikhonov", "exact"] = "pi",
-        loss_type: Literal["cross_entropy", "mse"] = "cross_entropy",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        logits_fn: Callable[[Any], Tensor] | None = None,
-        seed: int = 0,
         low_rank: bool = True,
+        **fisher_kwargs: Any,
     ) -> None:
         if not isinstance(low_rank, bool):
             raise TypeError(f"low_rank must be a bool, got {low_rank!r}")
@@ -162,7 +157,8 @@ class KfacGradientMaker(KronFactorMaker):
             )
         self.damping_mode = damping_mode
         # Factored damping: wide linear layers skip their weight gradient and are
-        # preconditioned as (B^-1 E^T)(X A^-1) (see _factored.factored_is_cheaper).
+        # preconditioned as (B^-1 E^T)(X A^-1) (see
+        # _output_grad_shortcut.shortcut_is_cheaper).
         self.factored_gradients = damping_mode != "exact"
         # Per module: {"A": [..], "B": [..]} inverses (or eigenpairs for "exact"),
         # or {"unit": (R, U, U) inverses}.
@@ -170,12 +166,8 @@ class KfacGradientMaker(KronFactorMaker):
         super().__init__(
             model,
             config,
-            fisher_type=fisher_type,
-            n_mc_samples=n_mc_samples,
-            loss_type=loss_type,
-            loss_reduction=loss_reduction,
-            logits_fn=logits_fn,
-            seed=seed,
+            fisher=fisher,
+            **fisher_kwargs,
         )
         config = self.config
         if (
@@ -308,7 +300,7 @@ class KfacGradientMaker(KronFactorMaker):
         for name, (x, e) in captured.items():
             inv = self.inverses.get(name)
             if inv is None:  # no curvature yet: the plain gradient
-                write_factored(self.ops[name], x, e)
+                write_shortcut(self.ops[name], x, e)
                 continue
             if inv.get("operators"):
                 write_operators(self.ops[name], x, e, inv["A"][0], inv["B"][0])
@@ -317,7 +309,7 @@ class KfacGradientMaker(KronFactorMaker):
             parts = None
             if not cholesky and len(self.ops[name].params) == 2:
                 parts = self._inverse_parts(inv, x.shape[1], x.dtype)
-            write_factored(
+            write_shortcut(
                 self.ops[name],
                 x,
                 e,

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from leantrain.precond._checks import check_extra_state, check_int
 from leantrain.precond._coverage import shared_parameters
-from leantrain.precond._factored import LinearCapture
+from leantrain.precond._output_grad_shortcut import LinearCapture
 from leantrain.precond.curv import robust_eigh
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
@@ -116,7 +116,7 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from leantrain.precond import PreconditioningConfig
-        >>> from leantrain.precond.shampoo import ShampooGradientMaker
+        >>> from leantrain.precond.methods.shampoo import ShampooGradientMaker
         >>> model = torch.nn.Linear(4, 3)
         >>> gm = ShampooGradientMaker(model, PreconditioningConfig(damping=1e-4))
         >>> y = gm.setup_model_call(model, torch.randn(16, 4))
@@ -154,7 +154,8 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
                     self._params[f"{name}.{pname}" if name else pname] = p
         # Between curvature steps a wide nn.Linear skips its weight gradient: its
         # preconditioned weight gradient is formed as (L^{-1/4} E^T)(X R^{-1/4}) from
-        # the output-gradients E and inputs X (see _factored.factored_is_cheaper).
+        # the output-gradients E and inputs X (see
+        # _output_grad_shortcut.shortcut_is_cheaper).
         inner = unwrap_model(model)
         shared = shared_parameters(inner)
         tied = {id(p) for pname, p in inner.named_parameters() if pname in shared}
