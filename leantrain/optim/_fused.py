@@ -61,18 +61,27 @@ def backend() -> str:
 _C_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def c_takes(name: str, t: Tensor) -> str | None:
+    """Why the C kernel cannot read or write parameter or gradient ``t`` (None: it
+    can). ``_fused_many`` asks it of each new gradient of a cached parameter."""
+    if t.layout != torch.strided:
+        return f"{name}: the C kernel needs a dense tensor, got layout {t.layout}"
+    if t.dtype not in _C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+        return (
+            f"{name}: the C kernel needs a contiguous fp32 or bf16 CPU tensor, "
+            f"got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
+        )
+    return None
+
+
 def _c_problem(param: Tensor, grad: Tensor, state: dict) -> str | None:
-    """Why the C kernel cannot take these tensors (None: it can). One pass over
-    the dtypes, devices and layouts: ``fused_step`` picks its path with it and
-    ``c_step`` turns the answer into its ValueError."""
+    """Why the C kernel cannot take these tensors (None: it can): the one
+    eligibility check of the C kernel. ``fused_step`` picks its path with it,
+    ``c_step`` turns the answer into its ValueError, ``_fused_many`` caches it per
+    state and ``_fused_plan`` builds on it."""
     for name, t in (("param", param), ("grad", grad)):
-        if t.layout != torch.strided:
-            return f"{name}: the C kernel needs a dense tensor, got layout {t.layout}"
-        if t.dtype not in _C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
-            return (
-                f"{name}: the C kernel needs a contiguous fp32 or bf16 CPU tensor, "
-                f"got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
-            )
+        if (why := c_takes(name, t)) is not None:
+            return why
     names = (
         ("exp_avg_sq", "exp_avg_absmax", "codebook")
         if "codebook" in state

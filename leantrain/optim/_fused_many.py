@@ -80,13 +80,7 @@ def _signature(item: StepItem) -> tuple:
 
 def _grad_fits(grad: Tensor, n: int) -> bool:
     """The gradient's half of ``_fused._c_problem`` (it is new every step)."""
-    return (
-        grad.numel() == n
-        and grad.layout == torch.strided
-        and grad.dtype in _fused._C_DTYPES
-        and grad.device.type == "cpu"
-        and grad.is_contiguous()
-    )
+    return grad.numel() == n and _fused.c_takes("grad", grad) is None
 
 
 def _checked(item: StepItem, lib, cache: dict | None) -> tuple | None:

@@ -5,8 +5,13 @@ and codebook, checkpoints, the non-finite gradient policy); the update itself is
 pure function ``_step.reference_step``; ``step()`` runs its fused twin
 ``_fused.fused_step`` (a C kernel on the CPU, Triton kernels on CUDA, or chunked
 PyTorch where neither runs), which a
-parity test holds equal to the reference. A steady step (same parameters, states
-and options as the last) is one kernel call through the cached ``_fused_plan``.
+parity test holds equal to the reference. Every implementation takes one
+``_options.StepOptions``, which ``_options.options_of`` resolves from a param group
+and a state (the one place the "auto" options are decided). A steady step (same
+parameters, states and options as the last) is one kernel call through the cached
+``_fused_plan``: on the CPU it enters five files of leantrain/optim (this one,
+``_fused_plan``, ``_options``, ``code_rounding``, ``_cabi``;
+tests/optim/test_step_files.py holds it to at most eight).
 """
 
 from __future__ import annotations
