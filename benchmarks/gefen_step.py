@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from leantrain.optim import _fused, _native
+from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 from leantrain.optim._step import reference_step
 from leantrain.optim._torch_step import torch_step
@@ -164,7 +165,7 @@ clipped_step = fused_with(update_clip=1.0)
 def torch_fallback(param, grad, state, **hyper):
     """The PyTorch fallback, forced even where the kernel could run."""
     state["step"] += 1
-    h = _fused.hyperparameters(float(state["step"]), **hyper)
+    h = StepOptions(**hyper).scalars(float(state["step"]))
     torch_step(param, grad, state, h)
 
 

@@ -40,15 +40,25 @@ STEADY: dict[str, tuple[str, ...]] = {
         "Gefen._all_finite",
         "Gefen._template_step",
     ),
-    "optim/_checks.py": ("finite_flags", "is_finite", "check_grad", "update_clip_of"),
-    "optim/_state_dict.py": ("LazyLabel", "fresh", "second_moment_of", "group_factors"),
+    "optim/_checks.py": ("finite_flags", "is_finite", "check_grad"),
+    "optim/_state_dict.py": ("LazyLabel", "fresh", "group_factors"),
+    "optim/_options.py": (
+        "StepOptions",
+        "StepOptions.scalars",
+        "options_of",
+        "own_v",
+        "_fresh",
+        "second_moment_of",
+        "stochastic_codes_of",
+        "update_clip_of",
+        "max_step",
+    ),
     "optim/_straddle.py": ("straddle_layout",),
     "optim/_dist.py": ("local", "is_sharded"),
     "optim/_fused_many.py": ("StepItem", "step_many", "_checked", "_signature"),
     "optim/_fused.py": (
         "fused_step",
         "check_step",
-        "hyperparameters",
         "advance_factors",
     ),
     "optim/_torch_step.py": (
@@ -76,8 +86,7 @@ STEADY: dict[str, tuple[str, ...]] = {
         "stochastic_index",
         "searched_index",
         "uniform",
-        "group_stochastic",
-        "own_v",
+        "resolved",
     ),
     "optim/precision.py": ("round_to", "stochastic_round", "random_bits"),
     "optim/_state_layout.py": ("state_layout", "packed_codes"),
@@ -206,7 +215,6 @@ _DCP_INIT = (
 # (file, function, call) -> why it stays in a steady step.
 HOST_READS: dict[tuple[str, str, str], str] = {
     # optim
-    ("optim/gefen.py", "Gefen.step", "float()"): _OPTION,
     ("optim/gefen.py", "Gefen._all_finite", "bool()"): _SHARDED,
     ("optim/gefen.py", "Gefen._all_finite", "torch.tensor(device=)"): _SHARDED,
     ("optim/gefen.py", "Gefen._template_step", "float()"): _OPTION,
@@ -231,7 +239,9 @@ HOST_READS: dict[tuple[str, str, str], str] = {
     ("optim/_state_layout.py", "state_layout", "int()"): _CPU_STATE,
     ("optim/_torch_step.py", "_chunk", "float()"): _OPTION,
     ("optim/_torch_step.py", "torch_step", "int()"): _CPU_STATE,
-    ("optim/code_rounding.py", "own_v", "int()"): _CPU_STATE,
+    ("optim/_options.py", "own_v", "int()"): _CPU_STATE,
+    ("optim/_options.py", "_fresh", "int()"): _CPU_STATE,
+    ("optim/_options.py", "options_of", "float()"): _OPTION,
     ("optim/factored.py", "denominator_factors", "torch.tensor(device=)"): (
         "only with a host float cbar (the reference step); the steady step passes "
         "column_mean's tensor"

@@ -98,51 +98,6 @@ def check_second_moment(value: object, partition: object) -> None:
         )
 
 
-# update_clip="auto": the bound for 4-bit momentum on a second moment of the weight's
-# own (factored or per element). The codes are coarse near 0, so a weight with a
-# small sqrt(v) in a block with a large absmax sees the codes' rounding error divided
-# by that small sqrt(v): a step of many lr. One lr per element is Adam's own nominal
-# step. A block-shared v does not have the problem (a quiet weight shares a loud
-# block's v), and there a clip only cuts the legitimate steps of the loud weights
-# (measured worse: docs/gefen.md, "Update clipping").
-AUTO_UPDATE_CLIP = 1.0
-
-
-def update_clip_of(group: dict, state: dict | None = None) -> float | None:
-    """The bound on each element's ``|m_hat / (sqrt(v_hat) + eps)|`` a param group
-    asks for, for a parameter with ``state``: ``update_clip`` resolved. "auto" is
-    :data:`AUTO_UPDATE_CLIP` for 4-bit momentum on a factored or per-element
-    (``period`` 1) second moment, None otherwise (and None without a state); a group
-    from a checkpoint older than the option has none: "auto". None: no clipping,
-    AdamW's update.
-
-    Raises:
-        ValueError: not "auto", None or a positive finite number.
-        TypeError: a number that is not real (a bool, a string other than "auto").
-    """
-    clip = group.get("update_clip", "auto")
-    if isinstance(clip, str) and clip == "auto":
-        if group["momentum_bits"] != 4 or state is None:
-            return None
-        from .code_rounding import own_v
-
-        return AUTO_UPDATE_CLIP if own_v(state) else None
-    if clip is None:
-        return None
-    if isinstance(clip, str) or isinstance(clip, bool):
-        raise ValueError(
-            f"Invalid update_clip: {clip!r}; allowed: 'auto', None or a positive "
-            "number (the largest |m_hat / (sqrt(v_hat) + eps)| of an element)"
-        )
-    value = _as_float(clip, "update_clip")
-    if not 0.0 < value < float("inf"):
-        raise ValueError(
-            f"Invalid update_clip: {clip!r}; must be positive and finite, or None "
-            "(no clipping) or 'auto'"
-        )
-    return value
-
-
 def check_nonfinite(mode: object) -> None:
     """Checks the non-finite gradient policy is "skip" or "raise"."""
     if mode not in NONFINITE_MODES:
@@ -155,9 +110,9 @@ def check_group(group: dict) -> None:
         group["lr"], group["betas"], group["eps"], group["weight_decay"]
     )
     check_momentum_bits(group["momentum_bits"])
-    from .code_rounding import group_stochastic
+    from ._options import stochastic_codes_of, update_clip_of
 
-    group_stochastic(group)  # checks momentum_rounding against the bits
+    stochastic_codes_of(group)  # checks momentum_rounding against the bits
     check_partition(group["partition"])
     check_second_moment(group.get("second_moment", "blocks"), group["partition"])
     update_clip_of(group)

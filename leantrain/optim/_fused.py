@@ -29,14 +29,13 @@ the two paths store identical codes.
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 from torch import Tensor
 
 from . import _cabi, _native, _triton_step
+from ._options import StepOptions
 from ._state_layout import state_layout
-from ._step import max_step
 from ._torch_step import torch_step
 from .code_rounding import code_key
 from .factored import column_mean, update_factors
@@ -62,18 +61,27 @@ def backend() -> str:
 _C_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def c_takes(name: str, t: Tensor) -> str | None:
+    """Why the C kernel cannot read or write parameter or gradient ``t`` (None: it
+    can). ``_fused_many`` asks it of each new gradient of a cached parameter."""
+    if t.layout != torch.strided:
+        return f"{name}: the C kernel needs a dense tensor, got layout {t.layout}"
+    if t.dtype not in _C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+        return (
+            f"{name}: the C kernel needs a contiguous fp32 or bf16 CPU tensor, "
+            f"got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
+        )
+    return None
+
+
 def _c_problem(param: Tensor, grad: Tensor, state: dict) -> str | None:
-    """Why the C kernel cannot take these tensors (None: it can). One pass over
-    the dtypes, devices and layouts: ``fused_step`` picks its path with it and
-    ``c_step`` turns the answer into its ValueError."""
+    """Why the C kernel cannot take these tensors (None: it can): the one
+    eligibility check of the C kernel. ``fused_step`` picks its path with it,
+    ``c_step`` turns the answer into its ValueError, ``_fused_many`` caches it per
+    state and ``_fused_plan`` builds on it."""
     for name, t in (("param", param), ("grad", grad)):
-        if t.layout != torch.strided:
-            return f"{name}: the C kernel needs a dense tensor, got layout {t.layout}"
-        if t.dtype not in _C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
-            return (
-                f"{name}: the C kernel needs a contiguous fp32 or bf16 CPU tensor, "
-                f"got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
-            )
+        if (why := c_takes(name, t)) is not None:
+            return why
     names = (
         ("exp_avg_sq", "exp_avg_absmax", "codebook")
         if "codebook" in state
@@ -190,32 +198,6 @@ def advance_factors(grad: Tensor, state: dict, beta2: float) -> Tensor | None:
     return column_mean(state["exp_avg_sq"], rows)
 
 
-def hyperparameters(
-    step: float,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    update_clip: float | None = None,
-) -> dict[str, float]:
-    """The per-step scalars, in double here, rounded to fp32 once where used
-    (``max_step``: already fp32, inf without a clip)."""
-    return {
-        "w1": 1 - beta1,
-        "beta2": beta2,
-        "omb2": 1 - beta2,
-        "decay": 1 - lr * weight_decay,
-        "step_size": lr / (1 - beta1**step),
-        "sqrt_bc2": math.sqrt(1 - beta2**step),
-        "eps": eps,
-        "sign": -1.0 if maximize else 1.0,
-        "max_step": max_step(lr, update_clip),
-    }
-
-
 def check_step(
     param: Tensor,
     grad: Tensor,
@@ -250,18 +232,11 @@ def fused_step(
     param: Tensor,
     grad: Tensor,
     state: dict,
+    options: StepOptions | None = None,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    stochastic_rounding: bool | None = None,
     seed: int = 0,
-    stochastic_codes: bool = False,
     index0: int = 0,
-    update_clip: float | None = None,
+    **fields: object,
 ) -> None:
     """Applies one Gefen step to ``param`` in place; same contract as
     ``_step.reference_step`` (same arguments, same state, same result to fp32
@@ -276,18 +251,16 @@ def fused_step(
     ``step``, so a resumed run continues bit-exactly.
 
     Args:
-        stochastic_rounding: True or False, or None for "on for bf16 parameters,
-            off otherwise". No effect on fp32 parameters.
+        options: the step's hyper-parameters (:class:`~._options.StepOptions`:
+            ``stochastic_rounding`` None is "on for bf16 parameters, off
+            otherwise", no effect on fp32; ``stochastic_codes`` keys the codes'
+            rounding by ``code_key(seed, step)`` as ``reference_step`` does); or
+            give its fields as keywords.
         seed: identifies the parameter's random stream; give every parameter its
             own (e.g. a base seed plus its index in the optimizer) and keep it
             across a checkpoint.
-        stochastic_codes: round the codes (4- or 8-bit) stochastically
-            (:mod:`leantrain.optim.code_rounding`, keyed by ``code_key(seed, step)``)
-            as ``reference_step`` does with the same arguments.
         index0: the global flat index of ``param``'s first element, when it is a
             shard of a larger parameter: the counter of both roundings' hashes.
-        update_clip: each element's step is at most ``lr * update_clip``, as in
-            ``reference_step``; None: no clip.
 
     Raises:
         ValueError: grad and param differ in size, or the state's tensors do not fit
@@ -305,8 +278,9 @@ def fused_step(
         >>> torch.allclose(p, torch.full((6,), 0.9))
         True
     """
+    o = options if options is not None else StepOptions(**fields)
     checked = check_step(
-        param, grad, state, stochastic_rounding, seed, stochastic_codes
+        param, grad, state, o.stochastic_rounding, seed, o.stochastic_codes
     )
     if checked is None:
         return
@@ -314,16 +288,7 @@ def fused_step(
     state["step"] += 1
     key = rounding_key(seed, int(state["step"])) if stochastic else 0
     ckey = code_key(seed, int(state["step"])) if codes_sr else None
-    hyper = hyperparameters(
-        float(state["step"]),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        maximize=maximize,
-        update_clip=update_clip,
-    )
+    hyper = o.scalars(float(state["step"]))
     lib = _native.load()
     where = dict(layout=layout, stochastic=stochastic, key=key, code_key=ckey)
     if lib is not None and _c_problem(param, grad, state) is None:
@@ -336,7 +301,7 @@ def fused_step(
     else:
         if param.device.type == "cuda":
             _triton_step.warn_fallback(why)
-        cbar = advance_factors(grad, state, beta2)
+        cbar = advance_factors(grad, state, o.beta2)
         torch_step(
             param,
             grad,

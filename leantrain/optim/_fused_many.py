@@ -25,53 +25,29 @@ import torch
 from torch import Tensor
 
 from . import _cabi, _fused, _native, _triton_step
+from ._options import StepOptions
 from .code_rounding import code_key
 from .precision import rounding_key
 
 
 @dataclass
 class StepItem:
-    """One parameter's share of a step: tensors, hyperparameters, rounding seed."""
+    """One parameter's share of a step: tensors, options, rounding seed."""
 
     param: Tensor
     grad: Tensor
     state: dict
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    maximize: bool
-    stochastic_rounding: bool | None = None
+    options: StepOptions
     seed: int = 0
-    stochastic_codes: bool = False
     index0: int = 0  # global flat index of the first element (a shard's offset)
-    update_clip: float | None = None  # each element's step <= lr * update_clip
-
-    def options(self) -> dict:
-        """The hyperparameters as ``fused_step`` and ``hyperparameters`` take them."""
-        return {
-            "lr": self.lr,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            "maximize": self.maximize,
-            "update_clip": self.update_clip,
-        }
-
-    def hyper(self, step: float) -> dict[str, float]:
-        return _fused.hyperparameters(step, **self.options())
 
     def one_step(self) -> None:
         _fused.fused_step(
             self.param,
             self.grad,
             self.state,
-            **self.options(),
-            stochastic_rounding=self.stochastic_rounding,
+            self.options,
             seed=self.seed,
-            stochastic_codes=self.stochastic_codes,
             index0=self.index0,
         )
 
@@ -93,8 +69,8 @@ def _signature(item: StepItem) -> tuple:
         param.layout,
         param.numel(),
         param.is_contiguous(),
-        item.stochastic_rounding,
-        item.stochastic_codes,
+        item.options.stochastic_rounding,
+        item.options.stochastic_codes,
         tuple(state),
         tuple(map(id, state.values())),
         tuple(state[k]._version for k in _SCALARS if k in state),
@@ -104,13 +80,7 @@ def _signature(item: StepItem) -> tuple:
 
 def _grad_fits(grad: Tensor, n: int) -> bool:
     """The gradient's half of ``_fused._c_problem`` (it is new every step)."""
-    return (
-        grad.numel() == n
-        and grad.layout == torch.strided
-        and grad.dtype in _fused._C_DTYPES
-        and grad.device.type == "cpu"
-        and grad.is_contiguous()
-    )
+    return grad.numel() == n and _fused.c_takes("grad", grad) is None
 
 
 def _checked(item: StepItem, lib, cache: dict | None) -> tuple | None:
@@ -132,7 +102,12 @@ def _checked(item: StepItem, lib, cache: dict | None) -> tuple | None:
             static = None  # this step's gradient is not the kernel's, or no kernel
         return layout, stochastic, codes_sr, static
     checked = _fused.check_step(
-        param, grad, state, item.stochastic_rounding, item.seed, item.stochastic_codes
+        param,
+        grad,
+        state,
+        item.options.stochastic_rounding,
+        item.seed,
+        item.options.stochastic_codes,
     )
     if checked is None:  # an empty parameter
         return None
@@ -220,10 +195,9 @@ def _launch_gpu(gpu: list[tuple[StepItem, tuple[int, int, int], bool, bool]]) ->
     jobs, hypers = [], {}
     for item, layout, stochastic, codes_sr in gpu:
         step = float(item.state["step"]) + 1
-        options = tuple(item.options().values())
-        hyper = hypers.get((step, options))
+        hyper = hypers.get((step, item.options))
         if hyper is None:
-            hyper = hypers[step, options] = item.hyper(step)
+            hyper = hypers[step, item.options] = item.options.scalars(step)
         key, ckey = _keys(item, step, stochastic, codes_sr)
         jobs.append(
             _triton_step.job(
@@ -268,19 +242,10 @@ def _launch_all(
     for item, layout, stochastic, codes_sr, static in native:
         step = float(item.state["step"]) + 1
         key = rounding_key(item.seed, int(step)) if stochastic else 0
-        options = (
-            item.lr,
-            item.beta1,
-            item.beta2,
-            item.eps,
-            item.weight_decay,
-            item.maximize,
-            item.update_clip,
-        )
-        hyper = hypers.get((step, options))
+        hyper = hypers.get((step, item.options))
         if hyper is None:
-            h = item.hyper(step)
-            hyper = hypers[step, options] = tuple(
+            h = item.options.scalars(step)
+            hyper = hypers[step, item.options] = tuple(
                 h[f] for f, _ in _cabi._Hyper._fields_
             )
         jobs.append(

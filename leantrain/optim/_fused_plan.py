@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from . import _cabi, _dist, _fused, _native
+from ._options import max_step, options_of
 from ._state_layout import packed_codes
-from ._step import max_step
 
 # Group options a plan may refresh between steps (the kernel's scalars); any
 # other option that changes sends the step down the full path.
@@ -62,12 +62,12 @@ def _fields(group: dict) -> tuple:
 
 
 def _set_opts(opts: _cabi.Opts, group: dict, update_clip: float | None) -> None:
-    lr = float(group["lr"])
-    beta1, beta2 = group["betas"]
-    opts.lr, opts.beta1, opts.beta2 = lr, float(beta1), float(beta2)
-    opts.eps, opts.weight_decay = float(group["eps"]), float(group["weight_decay"])
-    opts.max_step = max_step(lr, update_clip)
-    opts.maximize = bool(group["maximize"])
+    """Writes a group's scalars, as this step's options, into the kernel's opts."""
+    o = options_of(group, None, maximize=bool(group["maximize"]))
+    opts.lr, opts.beta1, opts.beta2 = o.lr, o.beta1, o.beta2
+    opts.eps, opts.weight_decay = o.eps, o.weight_decay
+    opts.max_step = max_step(o.lr, update_clip)
+    opts.maximize = o.maximize
 
 
 def _steppable(param: Tensor, grad: Tensor, state: dict) -> bool:
@@ -133,15 +133,15 @@ class StepPlan:
                 param,
                 item.grad,
                 state,
-                item.stochastic_rounding,
+                item.options.stochastic_rounding,
                 item.seed,
-                item.stochastic_codes,
+                item.options.stochastic_codes,
             )
-            key = (id(group), item.update_clip)
+            key = (id(group), item.options.update_clip)
             opts = opts_of.get(key)
             if opts is None:
                 opts = opts_of[key] = _cabi.Opts()
-                _set_opts(opts, group, item.update_clip)
+                _set_opts(opts, group, item.options.update_clip)
             template, held = _cabi.static_job(param, state, layout)
             hyper = _cabi._Hyper()
             io = _cabi._Io(

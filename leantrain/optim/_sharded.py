@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import code_rounding
+from ._options import StepOptions
 from ._step import apply_update, nearest_code
 from .quant import pack_nibbles, unpack_nibbles
 
@@ -139,20 +140,17 @@ def finish_step(
     sq: Tensor,
     m: Tensor | None,
     amax: Tensor | None,
+    options: StepOptions | None = None,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    stochastic_codes: bool = False,
     seed: int = 0,
-    update_clip: float | None = None,
+    **fields: object,
 ) -> None:
     """Second half of a step, with ``sq`` and ``amax`` reduced over the ranks
-    (``stochastic_codes``, ``seed``, ``update_clip``: as for
+    (``options`` or its fields as keywords, and ``seed``: as for
     ``_step.reference_step``; a span's elements draw the bits of their global
     indices)."""
+    o = options if options is not None else StepOptions(**fields)
+    lr, beta1, beta2, eps = o.lr, o.beta1, o.beta2, o.eps
     state["step"] += 1
     n = g.numel()
     if n == 0:
@@ -170,7 +168,7 @@ def finish_step(
         )
     flat = param.view(-1) if param.is_contiguous() else param.reshape(-1).clone()
     w32 = flat if flat.dtype == torch.float32 else flat.float()
-    w32.mul_(1 - lr * weight_decay)
+    w32.mul_(1 - lr * o.weight_decay)
     if m is None:
         m = state["exp_avg"].view(-1)
         m.lerp_(g, 1 - beta1)
@@ -181,7 +179,7 @@ def finish_step(
         head = span.start % qblock
         u = (padded_rows(m, span, qblock) / scale[:, None]).view(-1)
         codes = nearest_code(codebook)(u[head : head + n])
-        if stochastic_codes:
+        if o.stochastic_codes:
             key = code_rounding.code_key(seed, int(state["step"]))
             each = padded_rows(
                 torch.zeros(n, dtype=torch.float32, device=m.device), span, qblock
@@ -197,7 +195,7 @@ def finish_step(
         torch.zeros(n, dtype=torch.float32, device=g.device), span, period
     )
     per = (per + denom[:, None]).view(-1)[span.start % period :][:n]
-    apply_update(w32, m, per, step_size, lr, update_clip)
+    apply_update(w32, m, per, step_size, lr, o.update_clip)
     if w32 is not flat:
         flat.copy_(w32)
     if flat.data_ptr() != param.data_ptr():

@@ -13,8 +13,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import _checkpoint, _checks, _dist
+from ._options import second_moment_of
 from ._state import share_codebooks
-from .factored import factor_shape, factors_are_small
+from .factored import factor_shape
 
 # Keys kept on the CPU (0-dim bookkeeping, like torch's non-capturable `step`).
 HOST_KEYS = ("step", "period", "qblock")
@@ -128,34 +129,6 @@ def load_pre_hook(optimizer: Optimizer, state_dict: dict) -> dict | None:
     optimizer._pending_state = pending
     rest = {k: v for k, v in state_dict["state"].items() if k not in id_map}
     return {**state_dict, "state": rest}
-
-
-def second_moment_of(group: dict, param: Tensor, state: dict | None = None) -> str:
-    """The second moment ``param`` has or gets: "blocks" or "factored".
-
-    The group's ``second_moment`` when it names one. ``"auto"`` is "factored" with
-    ``partition="auto"`` on a parameter that factors (two or more dims, both sides
-    >= 2) and is not FSDP2-sharded: always for 4-bit momentum (the factors fit the
-    0.56 B/param budget and close most of the quality gap of blocks), and for 8-bit
-    or fp32 momentum where the factors cost at most 1/32 byte per element
-    (:func:`factored.factors_are_small`; docs/gefen.md, "Factored second moment").
-    "blocks" otherwise. Once a state exists, "auto" is what that state holds, so a
-    checkpoint made with either layout resumes as it was. A group without the key
-    (a checkpoint from before the option) has blocks.
-    """
-    chosen = group.get("second_moment", "blocks")
-    if chosen != "auto":
-        return chosen
-    if state and not fresh(state):
-        return "factored" if "factored" in state else "blocks"
-    shape = factor_shape(tuple(param.shape))
-    factors = (
-        shape is not None
-        and group["partition"] == "auto"
-        and not _dist.is_sharded(param)
-        and (group["momentum_bits"] == 4 or factors_are_small(*shape))
-    )
-    return "factored" if factors else "blocks"
 
 
 def group_factors(group: dict, param: Tensor) -> tuple[int, int] | None:

@@ -21,12 +21,12 @@ not the parameter size. A single block longer than a chunk is processed whole.
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 from torch import Tensor
 
 from . import code_rounding, factored
+from ._options import StepOptions, max_step
 from .quant import (
     NearestCode,
     block_absmax,
@@ -72,17 +72,6 @@ def per_element(block_values: Tensor, block: int, length: int) -> Tensor:
     if block == 1:
         return block_values
     return block_values[:, None].expand(-1, block).reshape(-1)[:length]
-
-
-def max_step(lr: float, update_clip: float | None) -> float:
-    """The largest step of one element, ``lr * update_clip`` rounded to fp32 once
-    (every path compares fp32 steps with this same number); inf without a clip."""
-    if update_clip is None:
-        return math.inf
-    try:
-        return struct.unpack("f", struct.pack("f", lr * update_clip))[0]
-    except OverflowError:  # beyond fp32's range: no fp32 step reaches it
-        return math.inf
 
 
 def apply_update(
@@ -148,16 +137,10 @@ def reference_step(
     param: Tensor,
     grad: Tensor,
     state: dict,
+    options: StepOptions | None = None,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    stochastic_codes: bool = False,
     seed: int = 0,
-    update_clip: float | None = None,
+    **fields: object,
 ) -> None:
     r"""Applies one Gefen step to ``param`` in place and advances ``state``.
 
@@ -166,19 +149,11 @@ def reference_step(
             back once per chunk).
         grad: its gradient, same shape; dense, finite.
         state: the parameter's state (see ``_state.new_state``), updated in place.
-        lr: learning rate.
-        beta1: momentum decay.
-        beta2: second-moment decay.
-        eps: added to the bias-corrected :math:`\sqrt{v}`.
-        weight_decay: decoupled weight decay (``param *= 1 - lr * weight_decay``).
-        maximize: ascend instead of descend (g = -grad).
-        stochastic_codes: store 4-bit or 8-bit codes with stochastic rounding
-            (:mod:`leantrain.optim.code_rounding`) instead of the nearest code.
+        options: the step's hyper-parameters (:class:`~._options.StepOptions`);
+            or give its fields as keywords (``lr=..., beta1=..., ...``). Its
+            ``stochastic_rounding`` is not used: the reference rounds to nearest.
         seed: the parameter's random stream (its index in the optimizer), keying
             ``code_key(seed, step)``.
-        update_clip: clip each element's :math:`|\hat m / (\sqrt{\hat v} +
-            \epsilon)|` to this (a step of at most ``lr * update_clip``); None: no
-            clip.
 
     Example:
         >>> import torch
@@ -190,6 +165,9 @@ def reference_step(
         >>> torch.allclose(p, torch.full((6,), 0.9))
         True
     """
+    o = options if options is not None else StepOptions(**fields)
+    lr, beta1, beta2, eps = o.lr, o.beta1, o.beta2, o.eps
+    weight_decay, maximize, update_clip = o.weight_decay, o.maximize, o.update_clip
     n = param.numel()
     if n == 0:
         return
@@ -206,7 +184,7 @@ def reference_step(
     else:
         qblock = period
     key = None
-    if stochastic_codes and codebook is not None:
+    if o.stochastic_codes and codebook is not None:
         key = code_rounding.code_key(seed, int(state["step"]))
     rows = state.get("factored")
     if rows is not None:  # factored.py: row and column factors, then denominators

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import _dist, code_rounding
-from ._checks import update_clip_of
+from . import _dist
+from ._options import options_of
 from ._sharded import begin_step, finish_step
 
 
@@ -59,7 +59,6 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
     for (group, param, (span, _, _), seed), (g, sq, m, amax) in zip(
         items, begun, strict=True
     ):
-        beta1, beta2 = group["betas"]
         finish_step(
             param.to_local(),
             states[param],
@@ -68,12 +67,6 @@ def straddling_step(states: dict, items: list[tuple[dict, Tensor, tuple]]) -> No
             sq,
             m,
             amax,
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            stochastic_codes=code_rounding.group_stochastic(group, states[param]),
+            options_of(group, states[param]),
             seed=seed,
-            update_clip=update_clip_of(group, states[param]),
         )

@@ -45,7 +45,6 @@ from .precision import _splitmix64, random_bits, rounding_key
 __all__ = [
     "MOMENTUM_ROUNDINGS",
     "code_key",
-    "group_stochastic",
     "round_blocks",
     "searched_index",
     "stochastic_codes",
@@ -55,7 +54,7 @@ __all__ = [
 
 # Gefen's ``momentum_rounding`` option: "auto" is stochastic for 4-bit codes and
 # for 8-bit codes on a weight's own second moment, nearest for other 8-bit codes
-# (group_stochastic; docs/gefen.md says why).
+# (``_options.stochastic_codes_of``; docs/gefen.md says why).
 MOMENTUM_ROUNDINGS = ("auto", "nearest", "stochastic")
 # More distinct values than this (8-bit codebooks) are searched, not counted.
 SEARCH_ABOVE = 16
@@ -139,31 +138,6 @@ def searched_index(x: Tensor, uniq: Tensor, r: Tensor) -> Tensor:
     i = below.clamp(max=max(gaps.numel() - 1, 0))
     up = inside & ((x - uniq[i]) > (r * gaps[i]))
     return below + up.long()
-
-
-def own_v(state: dict | None) -> bool:
-    """True for a state whose second moment is each weight's own: factored, or
-    per element (``period`` 1)."""
-    if not state:
-        return False
-    return "factored" in state or int(state.get("period", 0)) == 1
-
-
-def group_stochastic(group: dict, state: dict | None = None) -> bool:
-    """Whether a param group's codes are rounded stochastically for a parameter
-    with ``state`` (a group loaded from a checkpoint older than
-    ``momentum_rounding`` has none: "auto").
-
-    "auto" is stochastic for 4-bit codes, and for 8-bit codes on a second moment of
-    the weight's own (:func:`own_v`): there a weight whose gradients stop keeps a
-    nearest-rounded momentum residue that no longer decays while its own ``v``
-    does, so its step grows without bound (docs/gefen.md, "4-bit momentum:
-    stochastic code rounding"); a block-shared ``v`` bounds it.
-    """
-    rounding = group.get("momentum_rounding", "auto")
-    if rounding == "auto" and group["momentum_bits"] == 8 and own_v(state):
-        return True
-    return resolved(rounding, group["momentum_bits"])
 
 
 def round_blocks(

@@ -5,8 +5,13 @@ and codebook, checkpoints, the non-finite gradient policy); the update itself is
 pure function ``_step.reference_step``; ``step()`` runs its fused twin
 ``_fused.fused_step`` (a C kernel on the CPU, Triton kernels on CUDA, or chunked
 PyTorch where neither runs), which a
-parity test holds equal to the reference. A steady step (same parameters, states
-and options as the last) is one kernel call through the cached ``_fused_plan``.
+parity test holds equal to the reference. Every implementation takes one
+``_options.StepOptions``, which ``_options.options_of`` resolves from a param group
+and a state (the one place the "auto" options are decided). A steady step (same
+parameters, states and options as the last) is one kernel call through the cached
+``_fused_plan``: on the CPU it enters five files of leantrain/optim (this one,
+``_fused_plan``, ``_options``, ``code_rounding``, ``_cabi``;
+tests/optim/test_step_files.py holds it to at most eight).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from . import _reducible_partition as _partition
 from ._first_codebook import learn_first_codebook
 from ._fused_many import StepItem, step_many
 from ._fused_plan import StepPlan
+from ._options import options_of, second_moment_of, update_clip_of
 from ._sharded import new_local_state
 from ._state import check_factored, new_state, state_bits
 from ._state_dict import (
@@ -30,7 +36,6 @@ from ._state_dict import (
     group_factors,
     load_post_hook,
     load_pre_hook,
-    second_moment_of,
     state_dict_post_hook,
 )
 from ._state_dict import fresh as _fresh
@@ -182,9 +187,7 @@ class Gefen(Optimizer):
         _checks.check_partition(partition)
         _checks.check_second_moment(second_moment, partition)
         _checks.check_nonfinite(nonfinite)
-        _checks.update_clip_of(
-            {"momentum_bits": momentum_bits, "update_clip": update_clip}
-        )
+        update_clip_of({"momentum_bits": momentum_bits, "update_clip": update_clip})
         if stochastic_rounding not in (None, True, False):
             raise ValueError(
                 "Invalid stochastic_rounding: "
@@ -379,7 +382,6 @@ class Gefen(Optimizer):
             for i, p in enumerate(p for g in self.param_groups for p in g["params"])
         }
         items, layouts = [], self.__dict__.setdefault("_layouts", {})
-        options: dict[int, dict] = {}  # per group: read once per step
         for group, param, _ in active:
             seed = position[id(param)]
             state = self.state[param]
@@ -387,28 +389,14 @@ class Gefen(Optimizer):
             if layout is not None:
                 straddling.append((group, param, layout, seed))
                 continue
-            shared = options.get(id(group))
-            if shared is None:
-                beta1, beta2 = group["betas"]
-                shared = options[id(group)] = {
-                    "lr": float(group["lr"]),
-                    "beta1": float(beta1),
-                    "beta2": float(beta2),
-                    "eps": float(group["eps"]),
-                    "weight_decay": float(group["weight_decay"]),
-                    "maximize": group["maximize"],
-                    "stochastic_rounding": group.get("stochastic_rounding"),
-                }
             sharded = _dist.is_sharded(param)
             items.append(
                 StepItem(
                     _dist.local(param),
                     _dist.local(param.grad),
                     state,
-                    **shared,
+                    options_of(group, state),
                     seed=seed,
-                    stochastic_codes=code_rounding.group_stochastic(group, state),
-                    update_clip=_checks.update_clip_of(group, state),
                     index0=_dist.my_span(param).start if sharded else 0,
                 )
             )

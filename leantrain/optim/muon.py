@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from torch.optim.optimizer import ParamsT
 
 from . import _checks, code_rounding
 from ._first_codebook import learn_first_codebook
-from ._fused import fused_step
+from ._fused_many import StepItem, step_many
 from ._muon_groups import ADAMW_KEYS, items_of, muon_param_groups, tensor_of
 from ._muon_math import (
     DEFAULT_NS_COEFFICIENTS,
@@ -36,6 +37,7 @@ from ._muon_math import (
     newton_schulz_reference,
 )
 from ._muon_state import check_muon_options, check_ns_dtype, load_pre_hook
+from ._options import options_of, stochastic_codes_of, update_clip_of
 from ._state import new_state, state_bits
 from ._state_dict import load_post_hook  # the same as Gefen's: install state as saved
 from .gefen import block_period
@@ -160,9 +162,7 @@ class GefenMuon(Optimizer):
         code_rounding.resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
         _checks.check_nonfinite(nonfinite)
-        _checks.update_clip_of(
-            {"momentum_bits": momentum_bits, "update_clip": update_clip}
-        )
+        update_clip_of({"momentum_bits": momentum_bits, "update_clip": update_clip})
         check_ns_dtype(ns_dtype)
         defaults = {
             "lr": lr,
@@ -238,8 +238,8 @@ class GefenMuon(Optimizer):
                     group["lr"], group["betas"], group["eps"], group["weight_decay"]
                 )
             _checks.check_momentum_bits(group["momentum_bits"])
-            code_rounding.group_stochastic(group)  # validates momentum_rounding
-            _checks.update_clip_of(group)  # validates update_clip
+            stochastic_codes_of(group)  # validates momentum_rounding
+            update_clip_of(group)  # validates update_clip
             _checks.check_partition(group["partition"])
             check_ns_dtype(group["ns_dtype"])
             for position, param in enumerate(group["params"]):
@@ -342,23 +342,18 @@ class GefenMuon(Optimizer):
             id(p): i
             for i, p in enumerate(p for g in self.param_groups for p in g["params"])
         }
+        adamw = []  # the AdamW side: one step_many call for all of it
         for group, param, _ in active:
             state = self.state[param]
             if not group["use_muon"]:
-                beta1, beta2 = group["betas"]
-                fused_step(
-                    param,
-                    param.grad,
-                    state,
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    maximize=False,
-                    seed=position[id(param)],
-                    stochastic_codes=code_rounding.group_stochastic(group),
-                    update_clip=_checks.update_clip_of(group, state),
+                # Codes' "auto" rounding as for a fresh state (this side has always
+                # resolved it so); the clip from the state, as Gefen's.
+                options = replace(
+                    options_of(group, state, maximize=False),
+                    stochastic_codes=stochastic_codes_of(group),
+                )
+                adamw.append(
+                    StepItem(param, param.grad, state, options, position[id(param)])
                 )
                 continue
             codebook = state.get("codebook")
@@ -376,9 +371,10 @@ class GefenMuon(Optimizer):
                 adjust_lr_fn=group["adjust_lr_fn"],
                 ns_dtype=group["ns_dtype"] or default_ns_dtype(param.device),
                 nearest=None if codebook is None else self._quantizer(codebook),
-                stochastic_codes=code_rounding.group_stochastic(group),
+                stochastic_codes=stochastic_codes_of(group),
                 seed=position[id(param)],
             )
+        step_many(adamw, self.__dict__.setdefault("_step_cache", {}))
         return loss
 
     def _quantizer(self, codebook: Tensor) -> NearestCode:

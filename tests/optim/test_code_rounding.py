@@ -15,6 +15,7 @@ import torch
 from _fused_helpers import HYPER, codebook, codes_of, copy_state, random_state
 
 from leantrain.optim import Gefen, _fused, _native, _torch_step
+from leantrain.optim._options import StepOptions
 from leantrain.optim._step import reference_step
 from leantrain.optim.code_rounding import (
     code_key,
@@ -153,7 +154,7 @@ def test_backends_agree_bit_for_bit(bits):
     (odd starts, packed and one code per byte), with a shard's index0."""
     if _native.load() is None:
         pytest.skip(f"native kernel unavailable: {_native.status()}")
-    h = _fused.hyperparameters(4.0, **HYPER)
+    h = StepOptions(**HYPER).scalars(4.0)
     key = code_key(2, 4)
     for n, period, index0 in [
         (5003, 61, 0),
@@ -187,7 +188,7 @@ def test_eight_bit_learned_codebook_takes_the_fused_pass_with_the_same_bits():
     assert quant_table(cb).steps <= 1 and cb.unique().numel() == 256
     state = random_state(n, period, 8, seed=6)
     state["codebook"] = cb
-    h = _fused.hyperparameters(4.0, **HYPER)
+    h = StepOptions(**HYPER).scalars(4.0)
     for index0 in (0, 2**33 + 7):
         key = code_key(6, 4)
         param, grad = torch.randn(n), torch.randn(n)
@@ -214,7 +215,7 @@ def test_eight_bit_codebook_with_repeated_values_gives_the_same_bits():
     cb[100:110] = cb[100]
     cb[200:203] = cb[202]
     state["codebook"] = cb
-    h = _fused.hyperparameters(4.0, **HYPER)
+    h = StepOptions(**HYPER).scalars(4.0)
     key = code_key(4, 4)
     param, grad = torch.randn(n), torch.randn(n)
     c_state, t_state = copy_state(state), copy_state(state)
@@ -230,7 +231,7 @@ def test_eight_bit_codebook_with_repeated_values_gives_the_same_bits():
 def test_threads_chunks_and_long_blocks_give_the_same_bits(monkeypatch, bits):
     if _native.load() is None:
         pytest.skip(f"native kernel unavailable: {_native.status()}")
-    h = _fused.hyperparameters(4.0, **HYPER)
+    h = StepOptions(**HYPER).scalars(4.0)
     key = code_key(0, 4)
     for n, period in [(30001, 333), (20001, 7), (9999, 9999)]:
         state = random_state(n, period, bits, seed=period)

@@ -16,6 +16,7 @@ import torch
 from _fused_helpers import HYPER, codebook, codes_of, copy_state, ulps
 
 from leantrain.optim import Gefen, _fused, _native, _torch_step, factored
+from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 from leantrain.optim._step import reference_step
 from leantrain.optim.codebook import with_exact_zero
@@ -125,7 +126,7 @@ def test_backends_and_threads_give_the_same_bits():
         state = new_state(param, period, bits, cb, factored.factor_shape(shape))
         state["step"] += 1
         cbar = _fused.advance_factors(grad, state, HYPER["beta2"])
-        h = _fused.hyperparameters(1.0, **HYPER)
+        h = StepOptions(**HYPER).scalars(1.0)
         results = []
         for chunk, threads in [(None, 1), (16, 2)]:
             s, p = copy_state(state), param.clone()

@@ -18,8 +18,8 @@ import torch
 from _fused_helpers import HYPER, codes_of, copy_state, ulps
 
 from leantrain.optim import Gefen, _cabi, _checks, _fused, _native, factored
+from leantrain.optim._options import StepOptions, stochastic_codes_of, update_clip_of
 from leantrain.optim._step import reference_step
-from leantrain.optim.code_rounding import group_stochastic
 
 pytestmark = pytest.mark.skipif(
     _native.load() is None, reason=f"native kernel unavailable: {_native.status()}"
@@ -180,7 +180,7 @@ def test_kernel_factors_equal_the_torch_path_on_any_thread_count(shape, grad_dty
     for threads in (1, 2):
         s, p = copy_state(state), param.clone()
         s["step"] += 1
-        h = _fused.hyperparameters(float(s["step"]), **HYPER)
+        h = StepOptions(**HYPER).scalars(float(s["step"]))
         _fused.c_step(p, grad, s, h, threads=threads)
         results.append((p, s["exp_avg_sq"]))
     assert torch.equal(results[0][1], expected)
@@ -215,9 +215,9 @@ def test_gefen_factored_matches_the_reference_step(bits):
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
                 maximize=False,
-                stochastic_codes=group_stochastic(group, ref_s),
+                stochastic_codes=stochastic_codes_of(group, ref_s),
                 seed=seed,
-                update_clip=_checks.update_clip_of(group, ref_s),
+                update_clip=update_clip_of(group, ref_s),
             )
             refs.append((ref_p, ref_s))
         before = [p.detach().clone() for p in params]

@@ -23,6 +23,7 @@ from _fused_helpers import (
 )
 
 from leantrain.optim import _fused, _native, _quant_table, _torch_step
+from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 from leantrain.optim._step import reference_step
 from leantrain.optim.quant import NearestCode
@@ -197,7 +198,7 @@ def test_backends_agree(monkeypatch):
     ]:
         state = random_state(n, period, bits, seed=3)
         param, grad = torch.randn(n), torch.randn(n)
-        h = _fused.hyperparameters(4.0, **HYPER)
+        h = StepOptions(**HYPER).scalars(4.0)
         c_state, t_state = copy_state(state), copy_state(state)
         p_c, p_t = param.clone(), param.clone()
         _fused.c_step(p_c, grad, c_state, h)
@@ -219,7 +220,7 @@ def test_long_blocks_and_threads_are_bitwise_identical(bits):
         pytest.skip(f"native kernel unavailable: {_native.status()}")
     cases = [(30001, 333, None), (20001, 7, 1.0), (9999, 9999, None), (9999, 9999, 1.0)]
     for n, period, update_clip in cases:
-        h = _fused.hyperparameters(4.0, **HYPER, update_clip=update_clip)
+        h = StepOptions(**HYPER, update_clip=update_clip).scalars(4.0)
         state = random_state(n, period, bits, seed=period)
         param, grad = torch.randn(n), torch.randn(n)
         results = []
@@ -237,7 +238,7 @@ def test_torch_long_blocks_match_whole_blocks(monkeypatch):
     """The fallback's two-pass path for blocks longer than a chunk."""
     n, period = 3001, 1000
     for bits, update_clip in [(8, None), (4, 1.0), (None, None), (None, 1.0)]:
-        h = _fused.hyperparameters(4.0, **HYPER, update_clip=update_clip)
+        h = StepOptions(**HYPER, update_clip=update_clip).scalars(4.0)
         state = random_state(n, period, bits, seed=11)
         param, grad = torch.randn(n), torch.randn(n)
         s1, s2 = copy_state(state), copy_state(state)

@@ -10,6 +10,7 @@ from _fused_helpers import HYPER, codebook, copy_state, random_state
 
 from leantrain.optim import _cabi, _native
 from leantrain.optim._fused_many import StepItem, step_many
+from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 
 
@@ -38,10 +39,15 @@ def _mixed_items(seed: int = 0) -> list[StepItem]:
             state = new_state(torch.empty(0), 1, bits, codebook(bits))
         param = torch.randn(n, generator=g).to(dtype)
         grad = torch.randn(n, generator=g).to(dtype)
-        items.append(StepItem(param, grad, state, **HYPER, seed=i))
+        items.append(StepItem(param, grad, state, StepOptions(**HYPER), seed=i))
     strided = torch.randn(2 * 500, generator=g)[::2]  # a contiguous copy steps
     items.append(
-        StepItem(torch.randn(500), strided, random_state(500, 50, 8, 99), **HYPER)
+        StepItem(
+            torch.randn(500),
+            strided,
+            random_state(500, 50, 8, 99),
+            StepOptions(**HYPER),
+        )
     )
     return items
 
@@ -80,10 +86,10 @@ def test_a_bad_item_changes_nothing(backend):  # noqa: F811
     items = _mixed_items(1)
     before = _clone(items)
     bad = items[3]
-    items[3] = StepItem(bad.param, bad.grad[:-1], bad.state, **HYPER)
+    items[3] = StepItem(bad.param, bad.grad[:-1], bad.state, StepOptions(**HYPER))
     with pytest.raises(ValueError, match="grad has"):
         step_many(items)
-    items[3] = StepItem(bad.param, bad.grad, bad.state, **HYPER, seed=1.5)
+    items[3] = StepItem(bad.param, bad.grad, bad.state, StepOptions(**HYPER), seed=1.5)
     with pytest.raises(TypeError, match="seed must be an int"):
         step_many(items)
     for a, b in zip(items, before, strict=True):

@@ -17,6 +17,7 @@ from _fused_helpers import (
 )
 
 from leantrain.optim import _fused, _native, _quant_table
+from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 
 
@@ -87,7 +88,7 @@ def test_bad_inputs_raise_and_change_nothing():
     for key in state:
         assert torch.equal(state[key], before[key])
     if _native.load() is not None:
-        h = _fused.hyperparameters(1.0, **HYPER)
+        h = StepOptions(**HYPER).scalars(1.0)
         with pytest.raises(ValueError, match="param: the C kernel needs"):
             _fused.c_step(param.double(), torch.randn(n), state, h)
         bad = copy_state(state)

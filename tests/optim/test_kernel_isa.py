@@ -10,6 +10,7 @@ import torch
 from test_fused import HYPER, codes_of, copy_state, random_state, spaced_codebook  # noqa: F401
 
 from leantrain.optim import _fused, _native, _quant_table
+from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 from leantrain.optim.factored import factor_shape
 
@@ -50,7 +51,7 @@ def test_avx512_path_gives_the_scalar_paths_bits(tmp_path, monkeypatch):
     wide, narrow = _wide_and_narrow_builds(tmp_path, monkeypatch)
     cb8 = spaced_codebook(8)
     assert _quant_table.build_table(cb8).steps <= 1  # the vectorized lookup's case
-    h = _fused.hyperparameters(5.0, **HYPER)
+    h = StepOptions(**HYPER).scalars(5.0)
     cases = [(4099, 61, 1), (4099, 1, 2), (333, 333, 1), (40000, 5000, 2)]
     # 4-bit codes rounded to nearest and stochastically (code key 123)
     kinds = [(8, None), (4, None), (4, 123)]
@@ -111,7 +112,7 @@ def test_avx512_stochastic_eight_bit_codes_give_the_scalar_paths_bits(
     wide, narrow = _wide_and_narrow_builds(tmp_path, monkeypatch)
     cb8 = spaced_codebook(8)
     assert _quant_table.build_table(cb8).sr_steps <= 1  # the interval-table case
-    h = _fused.hyperparameters(5.0, **HYPER)
+    h = StepOptions(**HYPER).scalars(5.0)
     # (rows, cols, period, threads); rows 0: a flat state with blocks
     for rows, cols, period, threads in [
         (0, 4099, 61, 1),

@@ -11,6 +11,7 @@ from _fused_helpers import HYPER, copy_state, random_state
 
 from leantrain.optim import Gefen, _native
 from leantrain.optim._fused_many import StepItem, step_many
+from leantrain.optim._options import StepOptions
 from leantrain.optim._state import state_bits
 
 
@@ -22,7 +23,7 @@ def _items(seed: int = 0) -> list[StepItem]:
         param = torch.randn(n, generator=g)
         grad = torch.randn(n, generator=g)
         state = random_state(n, period, bits, seed=i)
-        items.append(StepItem(param, grad, state, **HYPER, seed=i))
+        items.append(StepItem(param, grad, state, StepOptions(**HYPER), seed=i))
     return items
 
 

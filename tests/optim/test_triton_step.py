@@ -34,6 +34,7 @@ from _fused_helpers import HYPER, codebook, codes_of, copy_state, random_state
 pytest.importorskip("triton")
 
 from leantrain.optim import Gefen, _fused, _native, _triton_step  # noqa: E402
+from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state  # noqa: E402
 from leantrain.optim._state_layout import state_layout  # noqa: E402
 from leantrain.optim._step import reference_step  # noqa: E402
@@ -56,7 +57,7 @@ def triton_step(
     (``stochastic``: round a bf16/fp16 parameter stochastically; None: bf16 only)."""
     state["step"] += 1
     step = int(state["step"])
-    h = _fused.hyperparameters(float(step), **hyper)
+    h = StepOptions(**hyper).scalars(float(step))
     if stochastic is None:
         stochastic = param.dtype == torch.bfloat16
     job = _triton_step.job(
@@ -277,7 +278,7 @@ def many_case(device, param_dtype=torch.float32):
         mine, p_mine = on(device, state), param.to(device, copy=True)
         ref, p_ref = copy_state(state), param.clone()
         mine["step"] += 1
-        h = _fused.hyperparameters(float(mine["step"]), **HYPER)
+        h = StepOptions(**HYPER).scalars(float(mine["step"]))
         layout = state_layout(p_mine, mine)
         jobs.append(_triton_step.job(p_mine, grad.to(device), mine, h, layout=layout))
         reference_step(p_ref, grad, ref, **HYPER)
@@ -345,7 +346,7 @@ def test_strided_parameters_step_as_contiguous_twins(monkeypatch):
     param = base.t()  # (30, 40), not contiguous
     state = random_state(1200, 40, 8, seed=3)
     ref, p_ref = copy_state(state), param.contiguous()
-    step_many([StepItem(param, grad.t().contiguous().t(), state, **HYPER)])
+    step_many([StepItem(param, grad.t().contiguous().t(), state, StepOptions(**HYPER))])
     reference_step(p_ref, grad.t().contiguous().t(), ref, **HYPER)
     assert not param.is_contiguous()
     assert_parity(state, ref, param, p_ref, 1200, ties=1)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from leantrain.optim import Gefen, GefenMuon
-from leantrain.optim._checks import update_clip_of
+from leantrain.optim._options import update_clip_of
 
 LR, WD = 1e-2, 1e-2
 
@@ -244,7 +244,7 @@ def test_gefen_muon_adamw_side_clips_like_gefen():
 
 
 def test_bound_is_lr_times_clip_in_fp32_and_never_overflows():
-    from leantrain.optim._step import max_step
+    from leantrain.optim._options import max_step
 
     assert max_step(1e-3, 1.0) == float(torch.tensor(1e-3, dtype=torch.float32))
     assert max_step(1e-3, None) == float("inf")
