@@ -125,7 +125,7 @@ class HookedMaker(FisherMaker):
                 raise RuntimeError(
                     f"{type(self).__name__} couples the curvature of all layers, but "
                     "this process ran only its own layers of a distributed "
-                    "LayerParallel stack (.distribute()); use a layer-wise maker "
+                    "LayerParallel stack (parallelize()); use a layer-wise maker "
                     "(K-FAC, EKFAC, Shampoo, SENG, NaturalGradientMaker with shape "
                     "'layer', 'unit' or 'diag') or run the stack in one process"
                 )
