@@ -17,8 +17,10 @@ tqdm, matplotlib and scikit-learn, are the ``compare`` extra:
   (``--precond``);
 * the axes: :mod:`~leantrain.compare.axes` (:data:`AXES`) over
   :mod:`~leantrain.compare.memory`, :mod:`~leantrain.compare.curvature` and
-  :mod:`~leantrain.compare.depth`, their runs launched on worker processes by
-  :mod:`~leantrain.compare.jobs`;
+  :mod:`~leantrain.compare.depth` (on one GPU timed by
+  :mod:`~leantrain.compare.depth_device`), their runs launched on worker processes
+  by :mod:`~leantrain.compare.jobs`; :mod:`~leantrain.compare.devices`: the device
+  (``--device``), the clock that waits for it, and the axes' sizes on it;
 * :mod:`~leantrain.compare.report`: the printed table and the files;
   :mod:`~leantrain.compare.stats`: the seed-to-seed interval of paired ratios.
 """

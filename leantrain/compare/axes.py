@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from leantrain.compare import curvature, depth, memory
+from leantrain.compare.devices import axis_sizes, device_label
 from leantrain.compare.jobs import (
     Job,
     RunStats,
@@ -64,10 +65,18 @@ class Axis:
     verdict: Callable[[dict, Any], str] = lambda summary, config: ""
 
 
+def _sized(default: Any, axis: str, args: argparse.Namespace, **fields: Any) -> Any:
+    """The axis' config for ``args.device`` (``"cpu"`` when absent: the help):
+    its CPU ``default`` with the device's sizes (:data:`~.devices.DEVICE_SIZES`)."""
+    device = getattr(args, "device", "cpu")
+    sizes = axis_sizes(device, axis)
+    return dataclasses.replace(default, **sizes, **fields, device=device)
+
+
 def _memory_config(args: argparse.Namespace) -> memory.MemoryConfig:
     default = memory.DEFAULT  # read at call time (tests shrink it)
     seeds = tuple(args.seed + s for s in default.seeds)
-    return dataclasses.replace(default, seeds=seeds)
+    return _sized(default, "memory", args, seeds=seeds)
 
 
 def _memory_verdict(summary: dict, config) -> str:
@@ -121,7 +130,9 @@ AXES: dict[str, Axis] = {
     ),
     "curvature": Axis(
         title="curvature: AdamW against K-FAC and Shampoo",
-        config=lambda args: dataclasses.replace(curvature.DEFAULT, seed=args.seed),
+        config=lambda args: _sized(
+            curvature.DEFAULT, "curvature", args, seed=args.seed
+        ),
         describe=curvature.describe,
         seed_help="the MLP's initial weights and the order of the batches",
         jobs=curvature.jobs,
@@ -135,7 +146,7 @@ AXES: dict[str, Axis] = {
     ),
     "depth": Axis(
         title="depth: the serial stack against LayerParallel",
-        config=lambda args: dataclasses.replace(depth.DEFAULT, seed=args.seed),
+        config=lambda args: _sized(depth.DEFAULT, "depth", args, seed=args.seed),
         describe=depth.describe,
         seed_help="the GPT's initial weights and the batch",
         jobs=depth.jobs,
@@ -200,13 +211,19 @@ def _load_text(load: dict, table: str) -> str:
 
 
 def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
-    """Run the axes ``names``; print the tables; write compare.{md,json,png}."""
+    """Run the axes ``names`` on ``args.device`` (``"cpu"`` or ``"cuda"``, as
+    :func:`~.devices.resolve_device` gives it); print the tables; write
+    compare.{md,json,png}."""
     start = time.perf_counter()
     load_start = load_average()
+    device = getattr(args, "device", "cpu")
+    # Runs on one GPU in parallel processes would time each other's kernels: there
+    # they run one after the other in this process.
+    workers = 1 if device == "cuda" else args.workers
     configs = {name: AXES[name].config(args) for name in names}
     axis_jobs = {name: AXES[name].jobs(configs[name]) for name in names}
     jobs = [job for name in names for job in axis_jobs[name]]
-    results, stats = run_jobs(jobs, workers=args.workers, threads=args.threads)
+    results, stats = run_jobs(jobs, workers=workers, threads=args.threads)
     wall_s = time.perf_counter() - start
     summaries = {name: AXES[name].summarise(configs[name], results) for name in names}
     for name in names:
@@ -214,8 +231,10 @@ def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
             job.key for job in axis_jobs[name] if stats[job.key].under_load
         }
     command = "leantrain " + shlex.join(args.argv)
-    md = ["# leantrain compare", "", f"Command: `{command}`", ""]
-    record: dict[str, Any] = {"command": command, "axes": {}}
+    on = device_label(device, args.threads)
+    print(f"Device: {on}")
+    md = ["# leantrain compare", "", f"Command: `{command}`", "", f"Device: {on}", ""]
+    record: dict[str, Any] = {"command": command, "device": on, "axes": {}}
     for name in names:
         axis, config, summary = AXES[name], configs[name], summaries[name]
         settings = axis.settings(config, summary)
@@ -246,7 +265,7 @@ def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
     load = (load_start, load_average())
     after = (
         f"Wall time of the whole comparison: {wall_s:.1f} s "
-        f"({runs_description(jobs, args.workers)}, {args.threads} torch thread "
+        f"({runs_description(jobs, workers)}, {args.threads} torch thread "
         f"each; machine load, the 1-minute "
         f"load average, {_fmt_load(load[0])} at the start and {_fmt_load(load[1])} "
         f"at the end, on {os.cpu_count()} cores). CPU time of the runs (the "
@@ -258,7 +277,7 @@ def run_axes(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
     run_versions["torch threads"] = str(args.threads)
     record.update(
         wall_s=wall_s,
-        workers=args.workers,
+        workers=workers,
         load_average=list(load),
         cpu_s={job.label: stats[job.key].cpu_s for job in jobs},
         cpu_count=os.cpu_count(),

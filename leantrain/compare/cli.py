@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from leantrain._optional import optional_import
 from leantrain.compare.axes import AXES, run_axes
+from leantrain.compare.devices import DEVICE_CHOICES, resolve_device
 from leantrain.compare.optimizers import PEERS, VARIANTS
 from leantrain.compare.report import EXTRA
 from leantrain.compare.single_model import run_compare
@@ -75,7 +76,13 @@ def _name_list(kind: str, registry: Sequence[str]) -> Callable[[str], list[str]]
 
 
 # The options of every run of ``leantrain compare`` and their defaults.
-RUN_DEFAULTS = {"seed": 0, "out": "leantrain-compare", "threads": 1, "workers": 2}
+RUN_DEFAULTS = {
+    "seed": 0,
+    "out": "leantrain-compare",
+    "threads": 1,
+    "workers": 2,
+    "device": "auto",
+}
 
 COMPARE_DESCRIPTION = (
     "With no axis and no single-model option: the three axes (memory, curvature, "
@@ -95,7 +102,8 @@ def _add_run_options(
     workers_help: str,
     defaults: bool,
 ) -> None:
-    """``--seed``, ``--out``, ``--threads``, ``--workers``. An axis' parser leaves
+    """``--seed``, ``--out``, ``--threads``, ``--workers``, ``--device``. An axis'
+    parser leaves
     them unset unless given (``defaults=False``): argparse copies a subcommand's
     defaults over what ``leantrain compare`` parsed before it."""
 
@@ -123,6 +131,15 @@ def _add_run_options(
         type=_positive_int,
         default=default("workers"),
         help=f"{workers_help} (default 2)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default=default("device"),
+        help="where the axes run: auto (the default: cuda when torch finds a CUDA "
+        "device, else cpu), cpu or cuda; on cuda each axis runs at its GPU size "
+        "and the runs one at a time (docs/compare.md). The single-model comparison "
+        "runs on the CPU.",
     )
 
 
@@ -229,7 +246,12 @@ def require_compare_extra() -> None:
 
 
 def dispatch_compare(args: argparse.Namespace) -> list:
-    """Run the variant of ``leantrain compare`` the options ask for."""
+    """Run the variant of ``leantrain compare`` the options ask for.
+
+    Raises:
+        ValueError: conflicting options, or ``--device cuda`` where no CUDA
+            device is available or with a single-model option.
+    """
     require_compare_extra()
     given = [flag for dest, flag in SINGLE_MODEL_OPTIONS.items() if getattr(args, dest)]
     if args.axis is not None or not given:
@@ -238,7 +260,14 @@ def dispatch_compare(args: argparse.Namespace) -> list:
                 f"{', '.join(given)} apply to the single-model comparison; leave "
                 f"out the axis {args.axis!r} to run it"
             )
+        args.device = resolve_device(args.device)
         return run_axes(args, [args.axis] if args.axis else list(AXES))
+    if args.device == "cuda":
+        raise ValueError(
+            "--device cuda applies to the axes; the single-model comparison "
+            f"({', '.join(given)}) runs on the CPU (--device cpu or auto)"
+        )
+    args.device = "cpu"
     if args.model is None:  # preconditioning wants a small model
         args.model = "mlp" if args.precond else "gpt"
     if args.peers:

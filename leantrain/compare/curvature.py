@@ -7,7 +7,9 @@ on the 8x8 digits from the same weights on the same batches. The target is AdamW
 final training loss (the mean of its last 10 % of steps); the table says for each
 row the first step at which its moving-average training loss reaches the target,
 the wall-clock seconds of training up to that step (the first step included, which
-sets up the curvature state), and the mean step time against AdamW's.
+sets up the curvature state), and the mean step time against AdamW's. On CUDA the
+batch is larger (``compare.devices.DEVICE_SIZES``) and the step times are the GPU's
+(each timed step ends with a synchronisation).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class CurvatureConfig:
     lr: float = 1e-3  # AdamW's; the methods use the registry's
     seed: int = 0
     data: str = "digits"
+    device: str = "cpu"  # "cuda": the sizes of compare.devices.DEVICE_SIZES
 
 
 DEFAULT = CurvatureConfig()
@@ -55,12 +58,12 @@ ROWS_FIRST = ("adamw",)
 
 
 def _task(config: CurvatureConfig):
-    key = (config.data, config.seed, config.batch_size)
+    key = (config.data, config.seed, config.batch_size, config.device)
     if key not in _TASKS:
         args = argparse.Namespace(
             data=config.data, seed=config.seed, batch_size=config.batch_size
         )
-        _TASKS[key] = TASKS["mlp"].build(args)
+        _TASKS[key] = TASKS["mlp"].build(args).to(config.device)
     return _TASKS[key]
 
 

@@ -23,23 +23,25 @@ forward and adjoint). The table gives
 
 The two-process timing needs both cores, so it runs alone, before the other axes'
 runs start. :func:`verdict` says in one sentence what the numbers mean on this
-machine, worded from them.
+machine, worded from them. On CUDA the stack is wider
+(``compare.devices.DEVICE_SIZES``) and one GPU's timing
+(:mod:`leantrain.compare.depth_device`) replaces the two gloo processes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
+from leantrain.compare.depth_device import GPU_INTERCONNECT, time_on_device
 from leantrain.compare.jobs import Job
 from leantrain.compare.report import fmt, mark_under_load, markdown_table
 from leantrain.layer_parallel.costs.simulate import CommModel, simulate
 from leantrain.layer_parallel.costs.timing import StackSpec, measure_two_process
-
-GPU_INTERCONNECT = CommModel(latency=1e-5, bandwidth=25e9)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class DepthConfig:
     projected_layers: int = 512
     seed: int = 0
     data: str = "stdlib"
+    # "cuda": the sizes of compare.devices.DEVICE_SIZES, and the timing of one GPU
+    # (compare.depth_device) in place of the two gloo processes.
+    device: str = "cpu"
 
     def stack_spec(self) -> StackSpec:
         """The two-process timing's stack: this GPT's blocks, this solver."""
@@ -123,7 +128,8 @@ def depth_accuracy(
         batch_size=config.batch,
         seed=config.seed,
     )
-    x, y = next(iter(batches))
+    model.to(config.device)
+    x, y = (t.to(config.device) for t in next(iter(batches)))
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         model.zero_grad(set_to_none=True)
@@ -156,8 +162,16 @@ def depth_accuracy(
 
 
 def time_two_processes(config: DepthConfig, *, progress: Callable[[], None]):
-    """The exclusive job: :func:`measure_two_process` of the stack."""
+    """The exclusive job: :func:`measure_two_process` of the stack, or on CUDA
+    :func:`~leantrain.compare.depth_device.time_on_device`."""
+    if config.device != "cpu":
+        return time_on_device(config.stack_spec(), config.device)
     return measure_two_process(config.stack_spec())
+
+
+def _one_device(timing) -> bool:
+    """The timing is one GPU's: no layer-parallel step, messages assumed."""
+    return not math.isfinite(timing.parallel)
 
 
 def jobs(config: DepthConfig) -> list[Job]:
@@ -206,12 +220,15 @@ def summarise(config: DepthConfig, results: Mapping) -> dict:
     accuracy = results[("depth", "accuracy")]
     timing = results[("depth", "timing")]
     simulated_two = _simulate(config, config.n_layer, 2, timing, timing.comm)
+    comms = [("gpu", GPU_INTERCONNECT)]
+    if not _one_device(timing):  # one GPU measures no message
+        comms.insert(0, ("measured", timing.comm))
     projected = {
         name: {
             p: _simulate(config, config.projected_layers, p, timing, comm).speedup
             for p in config.ranks
         }
-        for name, comm in (("measured", timing.comm), ("gpu", GPU_INTERCONNECT))
+        for name, comm in comms
     }
     return {
         "accuracy": accuracy,
@@ -239,6 +256,9 @@ def table(summary: dict, config: DepthConfig) -> str:
     def marked(label: str) -> str:  # a row from the two-process timing
         return mark_under_load(label, timed)
 
+    one_device = _one_device(t)
+    messages = " (assumed: one GPU sends none)" if one_device else ""
+    measured = f"measured on one GPU ({t.device})" if one_device else "measured"
     lt = t.layers
     layer_ms = {
         "layer forward (ms)": lt.forward,
@@ -255,8 +275,14 @@ def table(summary: dict, config: DepthConfig) -> str:
             ["MGRIT convergence factor, forward", f"{a.forward_factor:.3f}"],
             ["MGRIT convergence factor, adjoint", f"{a.backward_factor:.3f}"],
             *([marked(k), f"{v * 1e3:.3f}"] for k, v in layer_ms.items()),
-            [marked("message latency (us)"), f"{t.comm.latency * 1e6:.0f}"],
-            [marked("message bandwidth (MB/s)"), f"{t.comm.bandwidth / 1e6:.0f}"],
+            [
+                marked(f"message latency (us){messages}"),
+                f"{t.comm.latency * 1e6:.0f}",
+            ],
+            [
+                marked(f"message bandwidth (MB/s){messages}"),
+                f"{t.comm.bandwidth / 1e6:.0f}",
+            ],
         ]
     )
     steps = markdown_table(
@@ -269,10 +295,10 @@ def table(summary: dict, config: DepthConfig) -> str:
             ],
             ["---", "---:", "---:", "---:"],
             [
-                marked("measured"),
+                marked(measured),
                 f"{t.serial * 1e3:.1f}",
-                f"{t.parallel * 1e3:.1f}",
-                f"{t.speedup:.2f}",
+                fmt(t.parallel * 1e3, ".1f"),
+                fmt(t.speedup, ".2f"),
             ],
             [
                 marked("simulated from the layer times and messages above"),
@@ -288,9 +314,8 @@ def table(summary: dict, config: DepthConfig) -> str:
             header + [f"{p} ranks" for p in config.ranks],
             ["---"] + ["---:"] * len(config.ranks),
             *(
-                [marked(label)]
-                + [fmt(v, ".2f") for v in summary["projected"][k].values()]
-                for k, label in PROJECTIONS.items()
+                [marked(PROJECTIONS[k])] + [fmt(v, ".2f") for v in by_rank.values()]
+                for k, by_rank in summary["projected"].items()
             ),
         ]
     )
@@ -299,6 +324,8 @@ def table(summary: dict, config: DepthConfig) -> str:
 
 def verdict(summary: dict, config: DepthConfig) -> str:
     """One sentence, worded from the numbers: what the depth axis means here."""
+    if _one_device(summary["timing"]):
+        return _one_device_verdict(summary, config)
     measured = summary["timing"].speedup
     if round(measured, 2) == 1:
         pace = "as fast as"
@@ -323,6 +350,26 @@ def verdict(summary: dict, config: DepthConfig) -> str:
     )
 
 
+def _one_device_verdict(summary: dict, config: DepthConfig) -> str:
+    t = summary["timing"]
+    projected = summary["projected"]["gpu"]
+    faster = [str(p) for p, v in projected.items() if v > 1]
+    at = ", ".join(f"{v:.2f}x at {p}" for p, v in projected.items())
+    return (
+        f"On one GPU ({t.device}) the serial step of the {config.n_layer}-block stack "
+        f"takes {t.serial * 1e3:.1f} ms; a layer-parallel step needs two devices, so "
+        "it is not measured here. The projection is what the simulator predicts from "
+        f"the layer times measured on this GPU for {config.projected_layers} of these "
+        f"layers (cf = {config.cf}) on more GPUs linked as "
+        f"{PROJECTIONS['gpu']}: {at} ranks, "
+        + (
+            f"faster than serial at {', '.join(faster)} ranks."
+            if faster
+            else "slower than serial at every one of them."
+        )
+    )
+
+
 def settings(config: DepthConfig, summary: dict) -> str:
     """One line: the model, the solver and the timing."""
     c = config
@@ -331,7 +378,7 @@ def settings(config: DepthConfig, summary: dict) -> str:
         f"h = 1/{c.n_layer} ({summary['accuracy'].n_params:,} params), batch "
         f"{c.batch} x {c.tokens} bytes, fp32; MGRIT L={c.levels}, cf={c.cf}, "
         f"{c.fwd_iters} forward / {c.bwd_iters} adjoint cycles; timing: the median "
-        f"of {c.repeats} rounds"
+        f"of {c.repeats} rounds" + ("" if c.device == "cpu" else f", on {c.device}")
     )
 
 
@@ -374,8 +421,8 @@ def record(summary: dict) -> dict:
 def plot(ax, summary: dict, config: DepthConfig) -> None:
     """Speedup over serial against ranks: the projections and the 2-process step,
     measured and simulated (the numbers of :func:`table`, labelled with them)."""
-    for name, label in PROJECTIONS.items():
-        by_rank = summary["projected"][name]
+    for name, by_rank in summary["projected"].items():
+        label = PROJECTIONS[name]
         ax.plot(
             list(by_rank), list(by_rank.values()), "o-", label=f"projected, {label}"
         )
@@ -386,6 +433,8 @@ def plot(ax, summary: dict, config: DepthConfig) -> None:
         ("simulated, 2 processes", summary["simulated_two_speedup"]),
     )
     for (label, value), style in zip(points, ("k*", "kx"), strict=True):
+        if not math.isfinite(value):  # one GPU: no layer-parallel step measured
+            continue
         ax.plot([2], [value], style, markersize=10, label=label)
         ax.annotate(
             f"{value:.2f}x", (2, value), xytext=(6, 0), textcoords="offset points"

@@ -12,7 +12,8 @@ interval holds 1, otherwise "x % worse (or better), outside it". The model and t
 learning rate's warm-up and decay are those of the long-run benchmark
 (``benchmarks/gefen_long.py``), at a third of its length: by then the loss has
 left its first plateau and the paired ratios of one setting stay within about 1 %
-of each other, so three seeds resolve a gap of about 1.5 %.
+of each other, so three seeds resolve a gap of about 1.5 %. These are the CPU
+sizes; on CUDA the model is GPT-2-small-sized (``compare.devices.DEVICE_SIZES``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class MemoryConfig:
     val_batches: int = 16  # of 16 windows each
     data: str = "stdlib"
     seconds_per_step: float = 0.02  # a rough cost, to run the longest first
+    device: str = "cpu"  # "cuda": the sizes of compare.devices.DEVICE_SIZES
 
 
 DEFAULT = MemoryConfig()
@@ -89,7 +91,7 @@ def _task(config: MemoryConfig, seed: int) -> Task:
             batch_size=16,
             seed=1234,
         )
-        _TASKS[key] = Task(
+        task = Task(
             description=f"GPT d_model {config.d_model}, {config.n_layer} block(s), "
             f"context {config.block_size} ({model.num_params():,} params), "
             f"byte-level text '{corpus.name}' ({len(corpus.train):,} train bytes)",
@@ -105,6 +107,7 @@ def _task(config: MemoryConfig, seed: int) -> Task:
             val_batches=val,
             criterion=lm_loss,
         )
+        _TASKS[key] = task.to(config.device)
     return _TASKS[key]
 
 

@@ -11,6 +11,7 @@ Extending: a model/data pairing is one entry in :data:`TASKS`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leantrain.compare.devices import to_device
 from leantrain.data import (
     TensorBatches,
     TokenBatches,
@@ -49,6 +51,17 @@ class Task:
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The training loss of ``model`` on one batch (inputs, targets)."""
         return self.criterion(model(batch[0]), batch[1])
+
+    def to(self, device: torch.device | str) -> Task:
+        """This task on ``device``: the model moved there, every batch moved as it
+        is drawn (the stream itself stays the seeded one made on the CPU)."""
+        batches = self.batches
+        return dataclasses.replace(
+            self,
+            model=self.model.to(device),
+            batches=lambda: (to_device(b, device) for b in batches()),
+            val_batches=[to_device(b, device) for b in self.val_batches],
+        )
 
 
 @dataclass(frozen=True)
