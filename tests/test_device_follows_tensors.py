@@ -23,9 +23,9 @@ import ast
 
 import pytest
 import torch
-from _source_scan import ROOT, assert_listed, parse, scoped_nodes
 
 from leantrain.precond._random import DeviceGenerators, device_key
+from tests._helpers.source_scan import ROOT, assert_listed, parse, scoped_nodes
 
 PACKAGES = ("precond", "optim", "layer_parallel")
 FACTORIES = {

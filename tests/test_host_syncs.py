@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import ast
 
-from _source_scan import ROOT, assert_listed, parse, scoped_nodes
+from tests._helpers.source_scan import ROOT, assert_listed, parse, scoped_nodes
 
 # file under leantrain/ -> the functions and classes a steady step runs.
 STEADY: dict[str, tuple[str, ...]] = {

@@ -25,8 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _source_scan import enclosing_function
-from layer_parallel.lp_steps import TanhStep
 from torch import nn
 
 import leantrain
@@ -35,6 +33,8 @@ from leantrain.optim import Gefen, GefenMuon
 from leantrain.precond import precondition_in_loop
 from leantrain.precond.in_loop import IN_LOOP_METHODS
 from leantrain.precond.registry import make_gradient_maker
+from tests._helpers.lp_steps import TanhStep
+from tests._helpers.source_scan import enclosing_function
 
 pytestmark = pytest.mark.gpu
 

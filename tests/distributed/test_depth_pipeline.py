@@ -17,7 +17,7 @@ import torch
 
 from leantrain.compare.pipeline_baseline import GPTPipeline, check_pipeline_settings
 from leantrain.models import GPT, GPTConfig, lm_loss
-from tests.distributed.launch import run_distributed
+from tests._helpers.launchers import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed.launch import run_distributed
+from tests._helpers.launchers import run_distributed
 
 pytest.importorskip("deepspeed")
 

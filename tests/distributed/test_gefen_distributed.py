@@ -1,9 +1,9 @@
 """Gefen under DDP, FSDP2 and DCP (gloo, spawned ranks) versus one process.
 
-Every run sees the same union batch (``_gefen_workers.GLOBAL_BATCH`` split over the
-ranks) and float64 parameters, so the fp32 gradients Gefen reads are the same in
-every layout; the partition and the codebook must then be identical, and the
-parameters equal to fp32 summation order.
+Every run sees the same union batch (``GLOBAL_BATCH`` of
+``tests._helpers.gefen_workers``, split over the ranks) and float64 parameters, so
+the fp32 gradients Gefen reads are the same in every layout; the partition and the
+codebook must then be identical, and the parameters equal to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import _gefen_workers as workers
-from tests.distributed.launch import run_distributed
+from tests._helpers import gefen_workers as workers
+from tests._helpers.launchers import run_distributed
 
 
 def _rel(params: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

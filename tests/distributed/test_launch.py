@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.launch import run_distributed
+from tests._helpers.launchers import run_distributed
 
 pytestmark = pytest.mark.distributed
 

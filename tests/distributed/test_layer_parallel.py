@@ -19,8 +19,8 @@ from torch import nn
 from leantrain.layer_parallel import LayerParallel
 from leantrain.layer_parallel.comm import LayerParallelCommError
 from leantrain.models.blocks import TransformerBlock
-from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
-from tests.layer_parallel.lp_steps import PairStep
+from tests._helpers.launchers import parallelize_over_all_ranks, run_distributed
+from tests._helpers.lp_steps import PairStep
 
 pytestmark = pytest.mark.distributed
 

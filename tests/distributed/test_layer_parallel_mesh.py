@@ -17,8 +17,8 @@ from leantrain.layer_parallel.controller import Controller
 from leantrain.layer_parallel.mesh import ParallelDims, parallelize
 from leantrain.models import GPT, GPTConfig, lm_loss
 from leantrain.models.blocks import ResidualStack
-from tests.distributed.launch import run_distributed
-from tests.layer_parallel.lp_steps import tanh_steps
+from tests._helpers.launchers import run_distributed
+from tests._helpers.lp_steps import tanh_steps
 
 pytestmark = pytest.mark.distributed
 

@@ -11,7 +11,7 @@ from leantrain.layer_parallel import LayerParallel
 from leantrain.layer_parallel.comm import DistExchange
 from leantrain.layer_parallel.costs.phase_timer import profile_phases
 from leantrain.models.blocks import TransformerBlock
-from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
+from tests._helpers.launchers import parallelize_over_all_ranks, run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from leantrain.layer_parallel import LayerParallel
 from leantrain.models import ResidualStack, TransformerBlock
-from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
+from tests._helpers.launchers import parallelize_over_all_ranks, run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -19,7 +19,7 @@ from leantrain.precond.methods.kbfgs import KbfgsGradientMaker
 from leantrain.precond.methods.kfac import KfacGradientMaker
 from leantrain.precond.methods.psgd import PsgdGradientMaker
 from leantrain.precond.methods.shampoo import ShampooGradientMaker
-from tests.distributed.launch import run_distributed
+from tests._helpers.launchers import run_distributed
 
 pytestmark = pytest.mark.distributed
 

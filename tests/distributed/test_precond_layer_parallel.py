@@ -22,7 +22,7 @@ from leantrain.models import GPT
 from leantrain.models.gpt import GPTConfig, lm_loss
 from leantrain.precond import unwrap_model
 from leantrain.precond.registry import make_gradient_maker
-from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
+from tests._helpers.launchers import parallelize_over_all_ranks, run_distributed
 
 pytestmark = pytest.mark.distributed
 

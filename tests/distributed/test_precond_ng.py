@@ -22,7 +22,7 @@ from leantrain.precond.methods.natural_gradient import NaturalGradientMaker
 from leantrain.precond.methods.newton import NewtonGradientMaker
 from leantrain.precond.methods.seng import SengGradientMaker
 from leantrain.precond.methods.smw_ng import SmwNgGradientMaker
-from tests.distributed.launch import run_distributed
+from tests._helpers.launchers import run_distributed
 
 pytestmark = pytest.mark.distributed
 

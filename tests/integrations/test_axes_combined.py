@@ -25,7 +25,7 @@ from leantrain.models.gpt import GPTConfig, lm_loss
 from leantrain.optim import Gefen
 from leantrain.precond import GradientMaker
 from leantrain.precond.registry import make_gradient_maker
-from tests.distributed.launch import parallelize_over_all_ranks, run_distributed
+from tests._helpers.launchers import parallelize_over_all_ranks, run_distributed
 
 VOCAB, T, BATCH, STEPS = 16, 6, 3, 3
 EXACT = {"levels": 2, "cf": 2, "fwd_iters": 2, "bwd_iters": 2}

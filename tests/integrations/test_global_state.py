@@ -14,6 +14,7 @@ test restores the settings it changed.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from leantrain.layer_parallel import LayerParallel
-from leantrain.models import GPT, GPTConfig
 from leantrain.models.blocks import TransformerBlock
 from leantrain.optim import Gefen, GefenMuon, muon_param_groups
 from leantrain.precond import (
@@ -29,8 +29,8 @@ from leantrain.precond import (
     PreconditioningConfig,
     ShampooGradientMaker,
 )
-
-from .conftest import tiny_gpt2, token_batch
+from tests._helpers.hf_models import tiny_gpt2, token_batch
+from tests._helpers.models import tiny_gpt
 
 VOCAB, SEQ, BATCH = 32, 8, 4
 
@@ -90,12 +90,8 @@ def _restores_global_state():
     assert after == before, f"global state leaked: {before} -> {after}"
 
 
-def _tiny_gpt(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    config = GPTConfig(
-        vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, d_model=16
-    )
-    return GPT(config)
+# _tiny_gpt(seed=0): the shared builder at this file's sizes.
+_tiny_gpt = functools.partial(tiny_gpt, vocab_size=VOCAB, block_size=SEQ, d_model=16)
 
 
 def _tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

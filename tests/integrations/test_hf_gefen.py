@@ -27,8 +27,7 @@ import pytest
 import torch
 
 from leantrain.optim import Gefen, GefenMuon, bytes_per_param, muon_param_groups
-
-from ._hf_tasks import TASKS, mean_loss, train
+from tests._helpers.hf_tasks import TASKS, mean_loss, train
 
 FAMILIES = sorted(TASKS)
 LR = 1e-2

@@ -24,7 +24,7 @@ import torch
 
 import leantrain.integrations.hf_layer_parallel as hf_lp
 from leantrain.integrations import HFLayerParallel, layer_parallel_hf
-from tests.integrations.conftest import (
+from tests._helpers.hf_models import (
     image_batch,
     tiny_bert,
     tiny_gpt2,
@@ -278,7 +278,7 @@ def test_docstring_example_runs():
 
 
 def _gpt2_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
-    from tests.distributed.launch import parallelize_over_all_ranks
+    from tests._helpers.launchers import parallelize_over_all_ranks
 
     ref = tiny_gpt2(dtype=torch.float64, layers=N)
     inputs = _inputs("gpt2")
@@ -312,7 +312,7 @@ def _gpt2_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
 @pytest.mark.slow  # two spawned processes importing transformers: over a minute here
 @pytest.mark.distributed
 def test_two_process_gpt2_equals_serial():
-    from tests.distributed.launch import run_distributed
+    from tests._helpers.launchers import run_distributed
 
     for per_solver in run_distributed(_gpt2_worker, 2, timeout=120):
         for result in per_solver.values():

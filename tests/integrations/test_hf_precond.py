@@ -33,8 +33,7 @@ from leantrain.precond import (
     SmwNgGradientMaker,
 )
 from leantrain.precond.curv import curvature, dense_empirical_fisher
-
-from .conftest import (
+from tests._helpers.hf_models import (
     VOCAB,
     image_batch,
     tiny_bert,

@@ -18,8 +18,7 @@ import torch
 import transformers
 
 from leantrain.optim import Gefen, bytes_per_param
-
-from .conftest import tiny_gpt2, tiny_llama, token_batch
+from tests._helpers.hf_models import tiny_gpt2, tiny_llama, token_batch
 
 STEPS, SAVE_AT, BATCH = 6, 3, 4
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from leantrain.optim import Gefen, GefenMuon, muon_param_groups
-
-from .conftest import tiny_gpt2, tiny_llama, token_batch
+from tests._helpers.hf_models import tiny_gpt2, tiny_llama, token_batch
 
 STEPS, SAVE_AT, BATCH = 6, 3, 4
 

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from leantrain.precond import make_gradient_maker, precondition_in_loop
-from tests.integrations.conftest import tiny_llama, token_batch
+from tests._helpers.hf_models import tiny_llama, token_batch
 
 LR = 0.05
 STEPS = 3

@@ -16,9 +16,8 @@ from leantrain.layer_parallel import (
     mgrit_solve,
 )
 from leantrain.layer_parallel.adjoint import AdjointPropagator
-
-from .linear_reference import diagonal_run
-from .lp_steps import DiagStep, PairStep, tanh_steps
+from tests._helpers.linear_reference import diagonal_run
+from tests._helpers.lp_steps import DiagStep, PairStep, tanh_steps
 
 OFF = LayerRNG(0, enabled=False)
 

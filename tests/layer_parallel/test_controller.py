@@ -17,8 +17,7 @@ from torch import nn
 from leantrain.layer_parallel import LayerParallel, MGRITStats
 from leantrain.layer_parallel.controller import Controller, convergence_factor
 from leantrain.models.blocks import ResidualStack
-
-from .lp_steps import tanh_steps
+from tests._helpers.lp_steps import tanh_steps
 
 N, D = 16, 6
 

@@ -12,8 +12,7 @@ from torch import nn
 from leantrain.layer_parallel import LayerParallel
 from leantrain.layer_parallel.comm import DistExchange, _timedelta, all_reduce_max
 from leantrain.layer_parallel.mesh import LayerParallelConfig, ParallelDims, parallelize
-
-from .lp_steps import tanh_steps
+from tests._helpers.lp_steps import tanh_steps
 
 
 def test_parallel_dims_validate_and_count():

@@ -21,9 +21,8 @@ from leantrain.layer_parallel.costs import skipped_cycle_work, solve_time, vcycl
 from leantrain.layer_parallel.layout import LocalExchange
 from leantrain.layer_parallel.mgrit import CONVERGENCE_RTOL
 from leantrain.models import TransformerBlock
-
-from .linear_reference import diagonal_run
-from .lp_steps import DiagStep, tanh_steps
+from tests._helpers.linear_reference import diagonal_run
+from tests._helpers.lp_steps import DiagStep, tanh_steps
 
 OFF = LayerRNG(0, enabled=False)
 
@@ -216,7 +215,7 @@ def test_falling_residuals_far_from_serial_are_not_converged(t_final, converged)
 
 
 def test_tuple_state_exact():
-    from .lp_steps import PairStep
+    from tests._helpers.lp_steps import PairStep
 
     torch.manual_seed(1)
     steps = torch.nn.ModuleList(PairStep(3) for _ in range(8)).double()

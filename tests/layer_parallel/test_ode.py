@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from leantrain.layer_parallel import LayerRNG, StepPropagator
-
-from .lp_steps import tanh_steps
+from tests._helpers.lp_steps import tanh_steps
 
 
 def test_layer_streams_repeat_and_differ():

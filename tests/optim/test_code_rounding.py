@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _fused_helpers import HYPER, codebook, codes_of, copy_state, random_state
 
 from leantrain.optim import Gefen, _fused, _native, _torch_step
 from leantrain.optim._options import StepOptions
@@ -24,6 +23,13 @@ from leantrain.optim.code_rounding import (
     uniform,
 )
 from leantrain.optim.precision import random_bits, rounding_key
+from tests._helpers.fused_states import (
+    HYPER,
+    codebook,
+    codes_of,
+    copy_state,
+    random_state,
+)
 
 
 def brute_force(x: np.ndarray, cb: np.ndarray, r: np.ndarray) -> np.ndarray:

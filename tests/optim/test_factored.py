@@ -13,13 +13,13 @@ import copy
 import numpy as np
 import pytest
 import torch
-from _fused_helpers import HYPER, codebook, codes_of, copy_state, ulps
 
 from leantrain.optim import Gefen, _fused, _native, _torch_step, factored
 from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 from leantrain.optim._step import reference_step
 from leantrain.optim.codebook import with_exact_zero
+from tests._helpers.fused_states import HYPER, codebook, codes_of, copy_state, ulps
 
 
 def test_factor_shape():

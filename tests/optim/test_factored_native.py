@@ -15,11 +15,11 @@ import copy
 
 import pytest
 import torch
-from _fused_helpers import HYPER, codes_of, copy_state, ulps
 
 from leantrain.optim import Gefen, _cabi, _checks, _fused, _native, factored
 from leantrain.optim._options import StepOptions, stochastic_codes_of, update_clip_of
 from leantrain.optim._step import reference_step
+from tests._helpers.fused_states import HYPER, codes_of, copy_state, ulps
 
 pytestmark = pytest.mark.skipif(
     _native.load() is None, reason=f"native kernel unavailable: {_native.status()}"

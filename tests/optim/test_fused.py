@@ -11,7 +11,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from _fused_helpers import (
+
+from leantrain.optim import _fused, _native, _quant_table, _torch_step
+from leantrain.optim._options import StepOptions
+from leantrain.optim._state import new_state
+from leantrain.optim._step import reference_step
+from leantrain.optim.quant import NearestCode
+from tests._helpers.fused_states import (
     HYPER,
     SHAPES,
     codebook,
@@ -19,14 +25,9 @@ from _fused_helpers import (
     copy_state,
     exact_nearest,
     random_state,
+    spaced_codebook,
     ulps,
 )
-
-from leantrain.optim import _fused, _native, _quant_table, _torch_step
-from leantrain.optim._options import StepOptions
-from leantrain.optim._state import new_state
-from leantrain.optim._step import reference_step
-from leantrain.optim.quant import NearestCode
 
 
 @pytest.mark.parametrize("update_clip", [None, 1.0])
@@ -144,14 +145,6 @@ def test_matches_contract_brute_force(backend, bits, n, period, update_clip):
     assert int((codes_of(mine, n).long() != codes).sum()) <= 1
     torch.testing.assert_close(mine["exp_avg_sq"], ref["exp_avg_sq"], rtol=1e-6, atol=0)
     torch.testing.assert_close(p_mine, p_ref, rtol=1e-5, atol=1e-6)
-
-
-def spaced_codebook(bits: int, seed: int = 1) -> torch.Tensor:
-    """Codes at distinct histogram-bin centres, like a learned codebook: at most one
-    midpoint per lookup cell, the kernel's one-comparison path."""
-    bins = torch.randperm(4096, generator=torch.Generator().manual_seed(seed))
-    inner = -1 + (torch.sort(bins[: 2**bits - 2]).values + 0.5) / 2048
-    return torch.cat([torch.tensor([-1.0]), inner, torch.tensor([1.0])])
 
 
 def crowded_codebook() -> torch.Tensor:

@@ -8,17 +8,17 @@ import re
 
 import pytest
 import torch
-from _fused_helpers import (
+
+from leantrain.optim import _fused, _native, _quant_table
+from leantrain.optim._options import StepOptions
+from leantrain.optim._state import new_state
+from tests._helpers.fused_states import (
     HYPER,
     codebook,
     copy_state,
     exact_nearest,
     random_state,
 )
-
-from leantrain.optim import _fused, _native, _quant_table
-from leantrain.optim._options import StepOptions
-from leantrain.optim._state import new_state
 
 
 def test_quant_table_is_exact_for_any_sorted_codebook():

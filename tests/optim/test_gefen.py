@@ -11,13 +11,13 @@ import warnings
 
 import pytest
 import torch
-from _gefen_helpers import one_step as _one_step
-from _gefen_helpers import param_groups as _groups
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from leantrain.optim import Gefen, _step, bytes_per_param, optimizer_state_nbytes
 from leantrain.optim._state import new_state, qblock_for
+from tests._helpers.gefen_steps import one_step as _one_step
+from tests._helpers.gefen_steps import param_groups as _groups
 
 # --- parity anchor ------------------------------------------------------------
 

@@ -9,8 +9,6 @@ import copy
 
 import pytest
 import torch
-from _muon_helpers import matrix_mlp as _matrix_mlp
-from _muon_helpers import rel as _rel
 from torch import nn
 
 from leantrain.optim import Gefen, optimizer_state_nbytes
@@ -18,6 +16,8 @@ from leantrain.optim.muon import (
     GefenMuon,
     muon_param_groups,
 )
+from tests._helpers.muon_models import matrix_mlp as _matrix_mlp
+from tests._helpers.muon_models import rel as _rel
 
 # --- parity with torch.optim.Muon (fp32 momentum) ----------------------------------
 

@@ -8,14 +8,14 @@ import math
 
 import pytest
 import torch
-from _muon_helpers import matrix_mlp as _matrix_mlp
-from _muon_helpers import rel as _rel
 from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from leantrain.optim.muon import (
     GefenMuon,
 )
+from tests._helpers.muon_models import matrix_mlp as _matrix_mlp
+from tests._helpers.muon_models import rel as _rel
 
 # --- optimizer contract ------------------------------------------------------------
 

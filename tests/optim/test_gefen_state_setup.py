@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from _gefen_helpers import one_step as _one_step
 from torch import nn
 
 from leantrain.optim import Gefen
 from leantrain.optim.codebook import histogram, learn_codebook, with_exact_zero
+from tests._helpers.gefen_steps import one_step as _one_step
 
 # --- partition and codebook -----------------------------------------------------
 

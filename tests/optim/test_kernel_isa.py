@@ -7,12 +7,12 @@ import itertools
 
 import pytest
 import torch
-from test_fused import HYPER, codes_of, copy_state, random_state, spaced_codebook  # noqa: F401
 
 from leantrain.optim import _fused, _native, _quant_table
 from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 from leantrain.optim.factored import factor_shape
+from tests._helpers.fused_states import HYPER, copy_state, random_state, spaced_codebook
 
 
 def _cpu_has(flag: str) -> bool:

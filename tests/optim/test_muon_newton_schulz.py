@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _muon_helpers import rel as _rel
 from torch.optim._muon import _adjust_lr as torch_adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
@@ -14,6 +13,7 @@ from leantrain.optim.muon import (
     newton_schulz,
     newton_schulz_reference,
 )
+from tests._helpers.muon_models import rel as _rel
 
 COEFFS = (3.4445, -4.775, 2.0315)
 SHAPES = [(16, 24), (40, 12), (9, 9)]

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 import torch
-from _fused_helpers import HYPER, copy_state, random_state
 
 from leantrain.optim import Gefen, _native
 from leantrain.optim._fused_many import StepItem, step_many
 from leantrain.optim._options import StepOptions
 from leantrain.optim._state import state_bits
+from tests._helpers.fused_states import HYPER, copy_state, random_state
 
 
 def _items(seed: int = 0) -> list[StepItem]:

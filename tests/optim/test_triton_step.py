@@ -29,7 +29,14 @@ import warnings
 
 import pytest
 import torch
-from _fused_helpers import HYPER, codebook, codes_of, copy_state, random_state
+
+from tests._helpers.fused_states import (
+    HYPER,
+    codebook,
+    codes_of,
+    copy_state,
+    random_state,
+)
 
 pytest.importorskip("triton")
 

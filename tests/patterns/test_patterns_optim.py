@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from leantrain.layer_parallel import Controller
-from tests.distributed.launch import run_distributed
-from tests.patterns._optim_builders import (
+from tests._helpers.launchers import run_distributed
+from tests._helpers.optim_patterns import (
     FROZEN,
     OPTIMIZERS,
     STEPS,

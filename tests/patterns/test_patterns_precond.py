@@ -12,11 +12,15 @@ from __future__ import annotations
 import copy
 import warnings
 
-import _precond_builders as builders
 import pytest
 import torch
 import torch.nn.functional as F
-from _precond_builders import (
+from torch import nn
+
+from leantrain.precond import IN_LOOP_METHODS
+from leantrain.precond.registry import PRECOND_METHODS
+from tests._helpers import precond_patterns as builders
+from tests._helpers.precond_patterns import (
     assert_same,
     batches,
     build,
@@ -24,10 +28,6 @@ from _precond_builders import (
     net,
     train,
 )
-from torch import nn
-
-from leantrain.precond import IN_LOOP_METHODS
-from leantrain.precond.registry import PRECOND_METHODS
 
 METHODS = sorted(PRECOND_METHODS)
 LOOP = sorted(IN_LOOP_METHODS)

@@ -16,8 +16,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _kfac_helpers import factor_dampings
-from _kron_reference import dense_solve
 from torch import nn
 
 from leantrain.precond import (
@@ -29,6 +27,8 @@ from leantrain.precond import (
     precondition_in_loop,
 )
 from leantrain.precond.curv import dense_empirical_fisher, dense_ggn
+from tests._helpers.kfac_models import factor_dampings
+from tests._helpers.kron_reference import dense_solve
 
 VOCAB, DIM = 11, 4
 

@@ -66,7 +66,7 @@ def test_gradient_only_makers_run_the_compiled_call(name):
         if name == "plain":
             return GradientMaker(model)
         # SOAP: only full-rank sides rotated and a larger eps, else compile's
-        # rounding is amplified (see tests/patterns/_precond_builders.py).
+        # rounding is amplified (see tests/_helpers/precond_patterns.py).
         return make_gradient_maker(name, model, **METHOD_OPTIONS.get(name, {}))
 
     want = _grads(make, compiled=False)

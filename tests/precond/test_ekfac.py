@@ -7,13 +7,17 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _kfac_helpers import assert_resume_bit_exact
-from _kron_reference import canonical_grad, kron_factors, per_example_grads
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
 from leantrain.precond.methods.ekfac import EkfacGradientMaker
 from leantrain.precond.methods.kfac import KfacGradientMaker
+from tests._helpers.kfac_models import assert_resume_bit_exact
+from tests._helpers.kron_reference import (
+    canonical_grad,
+    kron_factors,
+    per_example_grads,
+)
 
 
 def mlp() -> nn.Module:

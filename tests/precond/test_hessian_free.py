@@ -4,14 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ng_reference import (
-    batch,
-    damped_solve,
-    flat_grad,
-    make_net,
-    mlp,
-    run_maker,
-)
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
@@ -19,6 +11,14 @@ from leantrain.precond.curv import dense_ggn, dense_hessian
 from leantrain.precond.methods.hessian_free import (
     HessianFreeGradientMaker,
     conjugate_gradient,
+)
+from tests._helpers.ng_reference import (
+    batch,
+    damped_solve,
+    flat_grad,
+    make_net,
+    mlp,
+    run_maker,
 )
 
 

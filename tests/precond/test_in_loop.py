@@ -4,6 +4,7 @@ preconditioned gradient equals the gradient maker's on the same batches."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 
 import pytest
@@ -19,6 +20,7 @@ from leantrain.precond import (
     precondition_in_loop,
 )
 from leantrain.precond.registry import PRECOND_METHODS
+from tests._helpers.models import tiny_gpt as shared_tiny_gpt
 
 VOCAB, T, B = 24, 6, 3
 # A schedule with every branch: warm-up, EMA, curvature every 2nd and
@@ -73,10 +75,10 @@ CASES = {
 }
 
 
-def tiny_gpt(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, d_model=8)
-    return GPT(config).double()
+# tiny_gpt(seed=0): the shared builder at this file's sizes, in float64.
+tiny_gpt = functools.partial(
+    shared_tiny_gpt, vocab_size=VOCAB, block_size=T, d_model=8, dtype=torch.float64
+)
 
 
 def batches(

@@ -9,7 +9,6 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from _kron_reference import canonical_grad, layer_data
 from torch import nn
 
 from leantrain.precond import PreconditioningConfig
@@ -18,6 +17,7 @@ from leantrain.precond.methods.kbfgs import (
     bfgs_inverse_update,
     powell_lm_damping,
 )
+from tests._helpers.kron_reference import canonical_grad, layer_data
 
 
 def spd(n, seed):

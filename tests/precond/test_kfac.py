@@ -8,17 +8,24 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from _kfac_helpers import batch, cnn, factor_dampings, mlp, plain_grads, step
-from _kron_reference import (
+from torch import nn
+
+from leantrain.precond import PreconditioningConfig
+from leantrain.precond.methods.kfac import KfacGradientMaker, kfac_precondition
+from tests._helpers.kfac_models import (
+    batch,
+    cnn,
+    factor_dampings,
+    mlp,
+    plain_grads,
+    step,
+)
+from tests._helpers.kron_reference import (
     canonical_grad,
     dense_solve,
     kron_factors,
     per_example_grads,
 )
-from torch import nn
-
-from leantrain.precond import PreconditioningConfig
-from leantrain.precond.methods.kfac import KfacGradientMaker, kfac_precondition
 
 
 def assert_exact_damping_equals_dense(model, x, t, names, kind, lam=1e-2):

@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _kfac_helpers import (
+from torch import nn
+
+from leantrain.precond import PreconditioningConfig
+from leantrain.precond._gram import GramInverse
+from leantrain.precond.methods.kfac import KfacGradientMaker
+from tests._helpers.kfac_models import (
     assert_resume_bit_exact,
     batch,
     factor_dampings,
     plain_grads,
     step,
 )
-from _kron_reference import canonical_grad, dense_solve, kron_factors
-from torch import nn
-
-from leantrain.precond import PreconditioningConfig
-from leantrain.precond._gram import GramInverse
-from leantrain.precond.methods.kfac import KfacGradientMaker
+from tests._helpers.kron_reference import canonical_grad, dense_solve, kron_factors
 
 
 # -- fast paths: same results as the dense formulas --------------------------------

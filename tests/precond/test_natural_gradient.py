@@ -6,7 +6,15 @@ import copy
 
 import pytest
 import torch
-from _ng_reference import (
+from torch import nn
+
+from leantrain.precond import PreconditioningConfig
+from leantrain.precond.curv import dense_empirical_fisher, dense_ggn
+from leantrain.precond.methods.natural_gradient import (
+    NaturalGradientMaker,
+    natural_gradient,
+)
+from tests._helpers.ng_reference import (
     assert_resumes_bit_exactly,
     batch,
     block_mask,
@@ -15,14 +23,6 @@ from _ng_reference import (
     make_net,
     mlp,
     run_maker,
-)
-from torch import nn
-
-from leantrain.precond import PreconditioningConfig
-from leantrain.precond.curv import dense_empirical_fisher, dense_ggn
-from leantrain.precond.methods.natural_gradient import (
-    NaturalGradientMaker,
-    natural_gradient,
 )
 
 DAMPING = 1e-2

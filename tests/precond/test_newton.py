@@ -7,7 +7,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _ng_reference import (
+from torch.func import functional_call, hessian
+
+from leantrain.precond import PreconditioningConfig
+from leantrain.precond.methods.newton import NewtonGradientMaker, newton_direction
+from tests._helpers.ng_reference import (
     ConvNet,
     NormNet,
     assert_resumes_bit_exactly,
@@ -17,10 +21,6 @@ from _ng_reference import (
     mlp,
     run_maker,
 )
-from torch.func import functional_call, hessian
-
-from leantrain.precond import PreconditioningConfig
-from leantrain.precond.methods.newton import NewtonGradientMaker, newton_direction
 
 
 def func_hessian(model, x, t) -> torch.Tensor:

@@ -6,7 +6,12 @@ import copy
 
 import pytest
 import torch
-from _ng_reference import (
+from torch import nn
+
+from leantrain.precond import PreconditioningConfig
+from leantrain.precond.curv import dense_empirical_fisher
+from leantrain.precond.methods.seng import SengGradientMaker
+from tests._helpers.ng_reference import (
     assert_resumes_bit_exactly,
     batch,
     block_mask,
@@ -18,11 +23,6 @@ from _ng_reference import (
     per_example_grads,
     run_maker,
 )
-from torch import nn
-
-from leantrain.precond import PreconditioningConfig
-from leantrain.precond.curv import dense_empirical_fisher
-from leantrain.precond.methods.seng import SengGradientMaker
 
 DAMPING = 1e-2
 

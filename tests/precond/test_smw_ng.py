@@ -6,7 +6,12 @@ import copy
 
 import pytest
 import torch
-from _ng_reference import (
+from torch import nn
+
+from leantrain.precond import PreconditioningConfig
+from leantrain.precond.curv import dense_empirical_fisher
+from leantrain.precond.methods.smw_ng import SmwNgGradientMaker, smw_natural_gradient
+from tests._helpers.ng_reference import (
     assert_resumes_bit_exactly,
     batch,
     damped_solve,
@@ -16,11 +21,6 @@ from _ng_reference import (
     per_example_grads,
     run_maker,
 )
-from torch import nn
-
-from leantrain.precond import PreconditioningConfig
-from leantrain.precond.curv import dense_empirical_fisher
-from leantrain.precond.methods.smw_ng import SmwNgGradientMaker, smw_natural_gradient
 
 DAMPING = 1e-2
 

@@ -1,9 +1,11 @@
-"""Fixtures for the curvature tests; the models live in ``_curv_models.py``."""
+"""Fixtures for the curvature tests; the models live in
+``tests/_helpers/curv_models.py``."""
 
 from __future__ import annotations
 
 import pytest
-from _curv_models import MODEL_NAMES, Case, make_case
+
+from tests._helpers.curv_models import MODEL_NAMES, Case, make_case
 
 
 @pytest.fixture(params=MODEL_NAMES)

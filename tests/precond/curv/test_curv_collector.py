@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _curv_helpers import masked
-from _curv_models import make_case, rel_err
 from torch import nn
 
 from leantrain.precond.curv import (
@@ -17,6 +15,8 @@ from leantrain.precond.curv import (
 )
 from leantrain.precond.curv._mha import mha_forward
 from leantrain.precond.curv.kinds import as_loss_spec
+from tests._helpers.curv_blocks import masked
+from tests._helpers.curv_models import make_case, rel_err
 
 
 def test_collector_inside_a_training_step_matches_curvature():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _curv_models import make_case
 from torch import nn
 
 from leantrain.precond.curv import as_loss_spec, curvature
+from tests._helpers.curv_models import make_case
 
 
 @pytest.fixture

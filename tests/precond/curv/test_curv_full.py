@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _curv_helpers import masked
-from _curv_models import rel_err
 from torch import nn
 
 from leantrain.precond.curv import curvature, dense_curvature
+from tests._helpers.curv_blocks import masked
+from tests._helpers.curv_models import rel_err
 
 LOSSES = {
     "ce_mean": lambda: nn.CrossEntropyLoss(),
@@ -72,7 +72,7 @@ def test_mse_diag_and_unit_blocks_exact(case):
 
 @pytest.mark.parametrize("kind", ["ggn", "fisher_emp", "hessian"])
 def test_mean_versus_sum_scaling(kind):
-    from _curv_models import make_case
+    from tests._helpers.curv_models import make_case
 
     case = make_case("embed_ln")
     numel = case.mse_targets.numel()
@@ -111,9 +111,8 @@ def test_mean_versus_sum_scaling(kind):
 
 def test_reference_hessian_matches_finite_differences():
     """Guards the reference itself (torch.func.hessian is wrong on these models)."""
-    from _curv_models import make_case
-
     from leantrain.precond.curv.reference import _flat_model
+    from tests._helpers.curv_models import make_case
 
     case = make_case("attn")
     loss = nn.CrossEntropyLoss()
@@ -135,7 +134,7 @@ def test_reference_hessian_matches_finite_differences():
 @pytest.mark.parametrize("shape", ["unit", "diag", "layer"])
 def test_closed_forms_for_one_position(shape):
     """Embedding and Linear on a single position take the closed-form path."""
-    from _curv_models import make_case
+    from tests._helpers.curv_models import make_case
 
     case = make_case("embed_ln", seq=1)
     loss = nn.CrossEntropyLoss(reduction="sum")
@@ -163,7 +162,7 @@ def test_conv_same_padding_dilation_and_4d_linear_input():
 
 
 def test_float32_model_agrees_with_float64():
-    from _curv_models import make_case
+    from tests._helpers.curv_models import make_case
 
     case = make_case("cnn")
     ref = curvature(

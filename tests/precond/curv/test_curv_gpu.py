@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from _curv_models import make_case, rel_err
 
 from leantrain.precond.curv import curvature
+from tests._helpers.curv_models import make_case, rel_err
 
 
 @pytest.mark.gpu

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _curv_helpers import masked, module_groups
-from _curv_models import make_case, rel_err
 from torch import nn
 from torch.func import hessian
 
 from leantrain.precond.curv import curvature, dense_curvature
+from tests._helpers.curv_blocks import masked, module_groups
+from tests._helpers.curv_models import make_case, rel_err
 
 
 @pytest.mark.parametrize("kind", ["ggn", "fisher_exact", "fisher_emp"])

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from _curv_models import make_case, rel_err
 from torch import nn
 
 from leantrain.precond.curv import curvature
+from tests._helpers.curv_models import make_case, rel_err
 
 
 def test_fisher_mc_converges_to_fisher_exact():

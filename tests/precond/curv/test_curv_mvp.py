@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _curv_models import make_case
 
 from leantrain.precond.curv import curvature
+from tests._helpers.curv_models import make_case
 
 
 @pytest.mark.parametrize("shape", ["full", "layer", "kron", "unit", "diag"])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .conftest import (
+from tests._helpers.hf_models import (
     VOCAB,
     image_batch,
     tiny_bert,

@@ -1,4 +1,4 @@
-"""Small test steps for the layer-parallel tests (imported as ``lp_steps``)."""
+"""Small test steps for the layer-parallel tests."""
 
 from __future__ import annotations
 

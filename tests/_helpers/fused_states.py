@@ -71,3 +71,11 @@ def random_state(n: int, period: int, bits: int | None, seed: int) -> dict:
         torch.rand(state["exp_avg_absmax"].shape, generator=g)
     )
     return state
+
+
+def spaced_codebook(bits: int, seed: int = 1) -> torch.Tensor:
+    """Codes at distinct histogram-bin centres, like a learned codebook: at most one
+    midpoint per lookup cell, the kernel's one-comparison path."""
+    bins = torch.randperm(4096, generator=torch.Generator().manual_seed(seed))
+    inner = -1 + (torch.sort(bins[: 2**bits - 2]).values + 0.5) / 2048
+    return torch.cat([torch.tensor([-1.0]), inner, torch.tensor([1.0])])
