@@ -231,7 +231,12 @@ def _run_samplers(args, block, x, ends_model, batch, sizes) -> list:
             (
                 m,
                 LayerSampler(block, x[:mb], 1 / 64),
-                OutsideSampler(ends_model, (batch[0][:mb], batch[1][:mb]), lr=args.lr),
+                OutsideSampler(
+                    ends_model,
+                    (batch[0][:mb], batch[1][:mb]),
+                    lr=args.lr,
+                    loss_fn=lm_loss,
+                ),
             )
         )
     return out
@@ -342,6 +347,7 @@ def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
                 ends_model,
                 (batches[0][0][: args.batch // m], batches[0][1][: args.batch // m]),
                 lr=args.lr,
+                loss_fn=lm_loss,
             )
             for m in samplers
         }

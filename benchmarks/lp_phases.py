@@ -97,7 +97,7 @@ def _worker(rank: int, port: int, args, queue) -> None:
             LayerSampler(model.stack.steps[0], x, 1 / args.depth, clock=clock)
             for clock in (time.perf_counter, time.thread_time)
         ] + [
-            OutsideSampler(model, batches[0], lr=args.lr, clock=clock)
+            OutsideSampler(model, batches[0], lr=args.lr, clock=clock, loss_fn=lm_loss)
             for clock in (time.perf_counter, time.thread_time)
         ]
         for sampler in samplers:

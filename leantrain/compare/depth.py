@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
 from leantrain.compare.jobs import Job
 from leantrain.compare.report import fmt, mark_under_load, markdown_table
@@ -81,6 +82,23 @@ class DepthConfig:
 
 
 DEFAULT = DepthConfig()
+
+
+def gpt_blocks(spec: StackSpec) -> list[nn.Module]:
+    """``spec``'s stack: the pre-LN causal blocks of ``GPT(GPTConfig(...))`` with
+    ``t_final=1`` (so ``h = 1/N``), freshly built from ``spec.seed`` (the same on
+    every rank). The block factory :func:`measure_two_process` takes."""
+    from leantrain.models import GPT, GPTConfig
+
+    torch.manual_seed(spec.seed)
+    config = GPTConfig(
+        block_size=spec.tokens,
+        n_layer=spec.n_layers,
+        n_head=spec.n_head,
+        d_model=spec.d_model,
+        t_final=1.0,
+    )
+    return list(GPT(config).stack.steps)
 
 
 @dataclass
@@ -157,7 +175,7 @@ def depth_accuracy(
 
 def time_two_processes(config: DepthConfig, *, progress: Callable[[], None]):
     """The exclusive job: :func:`measure_two_process` of the stack."""
-    return measure_two_process(config.stack_spec())
+    return measure_two_process(config.stack_spec(), gpt_blocks)
 
 
 def jobs(config: DepthConfig) -> list[Job]:

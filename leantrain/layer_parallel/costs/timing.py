@@ -1,8 +1,9 @@
 """Measured inputs of the schedule simulator: layer-step times and message costs.
 
-:func:`measure_two_process` trains one stack of GPT blocks for a few steps on two gloo
-processes (one thread each) with :class:`~leantrain.layer_parallel.LayerParallel` and,
-in the same two processes, serially on one of them; it also samples the four kinds of
+:func:`measure_two_process` trains one stack of blocks (built by the caller's
+factory: the axis imports no model) for a few steps on two gloo processes (one thread
+each) with :class:`~leantrain.layer_parallel.LayerParallel` and, in the same two
+processes, serially on one of them; it also samples the four kinds of
 layer step the solver performs (:class:`LayerSampler`) and the cost of a message
 (:func:`ping`). Everything is interleaved round by round (a parallel step on both
 processes, a serial step on rank 0 while rank 1 waits, layer samples on both), so all of
@@ -88,14 +89,16 @@ class LayerSampler:
 
 
 class OutsideSampler:
-    """One sample per call of a GPT training step's work outside the stack
-    (the fields of :class:`~.simulate.OutsideTimes`): embedding forward + backward,
-    head and loss forward, their backward, and AdamW steps over the stack's layers
-    (per layer) and over the embedding and head parameters.
+    """One sample per call of a language model's training-step work outside the
+    stack (the fields of :class:`~.simulate.OutsideTimes`): embedding forward +
+    backward, head and loss forward, their backward, and AdamW steps over the
+    stack's layers (per layer) and over the embedding and head parameters.
 
-    ``model`` is a :class:`~leantrain.models.GPT` used only for sampling (AdamW
-    changes its weights); ``batch`` is ``(idx, targets)``; ``clock`` as for
-    :class:`LayerSampler`.
+    ``model`` has ``embed``, ``stack`` (with ``steps``) and ``head``, as
+    :class:`~leantrain.models.GPT` does; it is used only for sampling (AdamW
+    changes its weights). ``batch`` is ``(idx, targets)``; ``clock`` as for
+    :class:`LayerSampler`; ``loss_fn(logits, targets)`` is the loss timed with the
+    head (the caller's, e.g. :func:`~leantrain.models.lm_loss`).
     """
 
     def __init__(
@@ -104,9 +107,11 @@ class OutsideSampler:
         batch: tuple[torch.Tensor, ...],
         lr: float,
         clock: Callable[[], float] = time.perf_counter,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
         self.model, (self.idx, self.targets) = model, batch
-        self.clock = clock
+        self.clock, self.loss_fn = clock, loss_fn
         layers = list(model.stack.parameters())
         ids = {id(p) for p in layers}
         ends = [p for p in model.parameters() if id(p) not in ids]
@@ -118,15 +123,13 @@ class OutsideSampler:
         self.samples: list[tuple[float, float, float, float, float]] = []
 
     def __call__(self) -> None:
-        from leantrain.models import lm_loss
-
         model, clock = self.model, self.clock
         t0 = clock()
         x = model.embed(self.idx)
         x.backward(torch.ones_like(x))
         t1 = clock()
         h = x.detach().requires_grad_()
-        loss = lm_loss(model.head(h), self.targets)
+        loss = self.loss_fn(model.head(h), self.targets)
         t2 = clock()
         loss.backward()
         t3 = clock()
@@ -180,11 +183,11 @@ def ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
 class StackSpec:
     """The stack and the solver of :func:`measure_two_process`.
 
-    ``n_layers`` pre-LN causal GPT blocks (``d_model``, ``n_head``; the blocks of
-    ``GPT(GPTConfig(...))`` with ``t_final=1``, so ``h = 1/N``) on a state of
-    ``batch`` x ``tokens`` x ``d_model`` (fp32); MGRIT with ``levels``, ``cf``,
-    ``fwd_iters`` and ``bwd_iters``; ``repeats`` timed rounds after one warm-up and
-    about ``layer_reps`` layer samples in all.
+    ``n_layers`` blocks (``d_model`` wide, ``n_head`` heads, for the caller's
+    factory to build; each step is ``h = 1/N``) on a state of ``batch`` x
+    ``tokens`` x ``d_model`` (fp32); MGRIT with ``levels``, ``cf``, ``fwd_iters``
+    and ``bwd_iters``; ``repeats`` timed rounds after one warm-up and about
+    ``layer_reps`` layer samples in all; ``seed`` for the factory and the input.
     """
 
     n_layers: int = 64
@@ -199,20 +202,6 @@ class StackSpec:
     repeats: int = 5
     layer_reps: int = 7
     seed: int = 0
-
-    def blocks(self) -> list[nn.Module]:
-        """The blocks, freshly built from ``seed`` (the same on every rank)."""
-        from leantrain.models import GPT, GPTConfig
-
-        torch.manual_seed(self.seed)
-        config = GPTConfig(
-            block_size=self.tokens,
-            n_layer=self.n_layers,
-            n_head=self.n_head,
-            d_model=self.d_model,
-            t_final=1.0,
-        )
-        return list(GPT(config).stack.steps)
 
     @property
     def state_bytes(self) -> int:
@@ -253,7 +242,12 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _worker(rank: int, port: int, spec: StackSpec, queue) -> None:
+BlockFactory = Callable[[StackSpec], list[nn.Module]]
+
+
+def _worker(
+    rank: int, port: int, spec: StackSpec, make_blocks: BlockFactory, queue
+) -> None:
     import torch.distributed as dist
 
     from leantrain.layer_parallel.mesh import ParallelDims, parallelize
@@ -265,9 +259,9 @@ def _worker(rank: int, port: int, spec: StackSpec, queue) -> None:
         "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1200)
     )
     try:
-        serial = LayerParallel(spec.blocks(), cf=spec.cf).serial()
+        serial = LayerParallel(make_blocks(spec), cf=spec.cf).serial()
         stack = LayerParallel(
-            spec.blocks(),
+            make_blocks(spec),
             cf=spec.cf,
             levels=spec.levels,
             fwd_iters=spec.fwd_iters,
@@ -313,8 +307,15 @@ def _worker(rank: int, port: int, spec: StackSpec, queue) -> None:
         dist.destroy_process_group()
 
 
-def measure_two_process(spec: StackSpec, timeout: float = 600.0) -> TwoProcessTiming:
+def measure_two_process(
+    spec: StackSpec, make_blocks: BlockFactory, timeout: float = 600.0
+) -> TwoProcessTiming:
     """Spawn two gloo processes (one thread each) and measure ``spec``'s stack.
+
+    ``make_blocks(spec)`` builds the stack's ``spec.n_layers`` blocks, the same on
+    every rank (from ``spec.seed``); it runs in the spawned processes, so it must
+    be picklable (a module-level function, e.g.
+    :func:`leantrain.compare.depth.gpt_blocks`).
 
     Raises:
         RuntimeError: if a process fails or nothing arrives within ``timeout`` s.
@@ -333,7 +334,10 @@ def measure_two_process(spec: StackSpec, timeout: float = 600.0) -> TwoProcessTi
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, port, spec, results)) for r in (0, 1)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, spec, make_blocks, results))
+        for r in (0, 1)
+    ]
     for p in procs:
         p.start()
     try:
