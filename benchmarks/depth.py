@@ -38,14 +38,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import dataclasses
-import datetime
 import gc
 import json
 import os
 import re
-import socket
 import statistics
 import sys
 import time
@@ -53,9 +50,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from leantrain.compare.depth import deep_gpt
 from leantrain.compare.depth_plot import plot_projection
+from leantrain.compare.measure import proc_status_kib, reset_peak_rss
 from leantrain.compare.pipeline_baseline import (
     GPTPipeline,
     check_pipeline_settings,
@@ -66,6 +64,7 @@ from leantrain.layer_parallel import (
     ParallelDims,
     parallelize,
 )
+from leantrain.layer_parallel.costs.launch import run_on_gloo
 from leantrain.layer_parallel.costs.projection import (
     MGRITSetting,
     project,
@@ -77,8 +76,12 @@ from leantrain.layer_parallel.costs.simulate import (
     OutsideTimes,
 )
 from leantrain.layer_parallel.costs.simulate_pipeline import simulate_pipeline
-from leantrain.layer_parallel.costs.timing import LayerSampler, OutsideSampler, ping
-from leantrain.models import GPT, GPTConfig, lm_loss
+from leantrain.layer_parallel.costs.timing import (
+    LayerSampler,
+    OutsideSampler,
+    measure_comm,
+)
+from leantrain.models import GPT, lm_loss
 
 RANKS = 2
 PROJECT_DEPTHS = [16, 32, 64, 128, 256, 512, 1024]
@@ -135,32 +138,11 @@ def check_settings(args: argparse.Namespace) -> list[Run]:
 
 
 def _status_mb(field: str) -> float:
-    status = open("/proc/self/status").read()
-    return int(re.search(field + r":\s+(\d+)", status).group(1)) / 1024
-
-
-def _reset_hwm() -> None:
-    """Return freed heap to the system, then reset the peak RSS, so that VmHWM
-    measures this run and not memory that earlier runs freed but the heap kept."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the peak may include freed heap
-        pass
-    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS
-        f.write("5")
+    return proc_status_kib(field) / 1024
 
 
 def _model(args, depth: int) -> GPT:
-    torch.manual_seed(0)  # identical initial weights on every rank and run
-    cfg = GPTConfig(
-        n_layer=depth,
-        d_model=args.d,
-        n_head=args.heads,
-        block_size=args.tokens,
-        t_final=1.0,
-    )
-    return GPT(cfg)
+    return deep_gpt(depth, args.d, args.heads, args.tokens)
 
 
 def _train(run: Run, model: GPT, batches, args, sample=None) -> list[float]:
@@ -245,7 +227,10 @@ def _run_samplers(args, block, x, ends_model, batch, sizes) -> list:
 def _measure_run(
     run: Run, args, depth: int, batches, eval_batch, samplers=None
 ) -> dict:
-    _reset_hwm()
+    # Freed heap back to the system, then the peak reset: VmHWM measures this run,
+    # not memory that earlier runs freed but the heap kept.
+    gc.collect()
+    reset_peak_rss()
     base = _status_mb("VmRSS")
     model = _model(args, depth)
 
@@ -289,17 +274,6 @@ def _fields(t) -> tuple[float, ...]:
     )
 
 
-def _comm_model() -> CommModel:
-    rank = dist.get_rank()
-    lat = ping(1 - rank, torch.zeros(2), rank == 0, 20)
-    big = torch.zeros(1 << 20)
-    big_t = ping(1 - rank, big, rank == 0, 5)
-    # a loaded machine can time the small message slower than the big one
-    return CommModel(
-        latency=lat, bandwidth=big.numel() * 4 / max(big_t - lat, big_t / 2)
-    )
-
-
 def _activation_bytes(block: torch.nn.Module, x: torch.Tensor, dt: float) -> float:
     """Bytes one layer saves for its backward (distinct storages)."""
     seen: dict[int, int] = {}
@@ -315,91 +289,67 @@ def _activation_bytes(block: torch.nn.Module, x: torch.Tensor, dt: float) -> flo
     return float(sum(seen.values()))
 
 
-def _worker(rank: int, port: int, args, runs: list[Run], queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=3600)
+def _worker(rank: int, args, runs: list[Run]) -> dict | None:
+    """One rank of the measurement: every run at every depth, the layer and
+    outside-the-stack samples between them; rank 0 returns the results."""
+    text = load_stdlib_text()
+    stream = TokenBatches(
+        text.train, block_size=args.tokens, batch_size=args.batch, seed=0
     )
-    try:
-        text = load_stdlib_text()
-        stream = TokenBatches(
-            text.train, block_size=args.tokens, batch_size=args.batch, seed=0
+    batches = [b for _, b in zip(range(args.steps), stream, strict=False)]
+    held = TokenBatches(text.val, block_size=args.tokens, batch_size=32, seed=1)
+    eval_batch = next(iter(held))
+    results: dict = {"comm": measure_comm(rank), "depths": {}}
+    # Layer times of each micro-batch size, sampled on both processes at once
+    # (busy, as in the parallel runs) between the runs, so that they see the
+    # same machine load as the runs; one warm-up sample each.
+    block = copy.deepcopy(_model(args, 4).stack.steps[0])
+    x = torch.randn(args.batch, args.tokens, args.d)
+    samplers = {
+        m: LayerSampler(block, x[: args.batch // m], 1 / 64)
+        for m in sorted({1, *args.micro_batches})
+    }
+    # The work outside the stack (embedding, head, loss, AdamW) per micro-batch
+    # size, sampled the same way; AdamW on a sampling copy of 8 layers.
+    ends_model = _model(args, 8)
+    ends = {
+        m: OutsideSampler(
+            ends_model,
+            (batches[0][0][: args.batch // m], batches[0][1][: args.batch // m]),
+            lr=args.lr,
+            loss_fn=lm_loss,
         )
-        batches = [b for _, b in zip(range(args.steps), stream, strict=False)]
-        held = TokenBatches(text.val, block_size=args.tokens, batch_size=32, seed=1)
-        eval_batch = next(iter(held))
-        results: dict = {"comm": _comm_model(), "depths": {}}
-        # Layer times of each micro-batch size, sampled on both processes at once
-        # (busy, as in the parallel runs) between the runs, so that they see the
-        # same machine load as the runs; one warm-up sample each.
-        block = copy.deepcopy(_model(args, 4).stack.steps[0])
-        x = torch.randn(args.batch, args.tokens, args.d)
-        samplers = {
-            m: LayerSampler(block, x[: args.batch // m], 1 / 64)
-            for m in sorted({1, *args.micro_batches})
-        }
-        # The work outside the stack (embedding, head, loss, AdamW) per micro-batch
-        # size, sampled the same way; AdamW on a sampling copy of 8 layers.
-        ends_model = _model(args, 8)
-        ends = {
-            m: OutsideSampler(
-                ends_model,
-                (batches[0][0][: args.batch // m], batches[0][1][: args.batch // m]),
-                lr=args.lr,
-                loss_fn=lm_loss,
+        for m in samplers
+    }
+    for sampler in [*samplers.values(), *ends.values()]:
+        sampler()
+        sampler.samples.clear()
+    per_round = max(1, -(-args.layer_reps // (len(args.depths) * len(runs))))
+    results["act"] = _activation_bytes(block, x, 1 / 64)
+    results["state_bytes"] = float(x.numel() * x.element_size())
+    for depth in args.depths:
+        rows = {}
+        for run in runs:
+            per_run = _run_samplers(args, block, x, ends_model, batches[0], samplers)
+            rows[run.label] = _measure_run(
+                run, args, depth, batches, eval_batch, per_run
             )
-            for m in samplers
-        }
-        for sampler in [*samplers.values(), *ends.values()]:
-            sampler()
-            sampler.samples.clear()
-        per_round = max(1, -(-args.layer_reps // (len(args.depths) * len(runs))))
-        results["act"] = _activation_bytes(block, x, 1 / 64)
-        results["state_bytes"] = float(x.numel() * x.element_size())
-        for depth in args.depths:
-            rows = {}
-            for run in runs:
-                per_run = _run_samplers(
-                    args, block, x, ends_model, batches[0], samplers
-                )
-                rows[run.label] = _measure_run(
-                    run, args, depth, batches, eval_batch, per_run
-                )
-                dist.barrier()
-                for sampler in [*samplers.values(), *ends.values()]:
-                    for _ in range(per_round):
-                        sampler()
-            results["depths"][depth] = rows
-            results["times"] = {m: smp.times() for m, smp in samplers.items()}
-            results["outside"] = {m: smp.times() for m, smp in ends.items()}
-            if rank == 0:  # each depth's table as soon as it is measured
-                print_measured(args, runs, results, only=depth)
-                if args.save:
-                    save(args.save, args, results)
-        if rank == 0:
-            queue.put(results)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+            dist.barrier()
+            for sampler in [*samplers.values(), *ends.values()]:
+                for _ in range(per_round):
+                    sampler()
+        results["depths"][depth] = rows
+        results["times"] = {m: smp.times() for m, smp in samplers.items()}
+        results["outside"] = {m: smp.times() for m, smp in ends.items()}
+        if rank == 0:  # each depth's table as soon as it is measured
+            print_measured(args, runs, results, only=depth)
+            if args.save:
+                save(args.save, args, results)
+    return results if rank == 0 else None
 
 
 def measure(args, runs: list[Run]) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, args, runs, queue))
-        for r in range(RANKS)
-    ]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=7200)
-    for p in procs:
-        p.join()
-    return results
+    return run_on_gloo(_worker, RANKS, args, runs, timeout=7200)
 
 
 _SAVED_ARGS = ("d", "heads", "batch", "tokens", "steps", "lr", "micro_batches", "lp")

@@ -39,6 +39,7 @@ from leantrain.compare.jobs import Job
 from leantrain.compare.report import fmt, mark_under_load, markdown_table
 from leantrain.layer_parallel.costs.simulate import CommModel, simulate
 from leantrain.layer_parallel.costs.timing import StackSpec, measure_two_process
+from leantrain.models import GPT, GPTConfig, lm_loss
 
 GPU_INTERCONNECT = CommModel(latency=1e-5, bandwidth=25e9)
 
@@ -84,21 +85,28 @@ class DepthConfig:
 DEFAULT = DepthConfig()
 
 
-def gpt_blocks(spec: StackSpec) -> list[nn.Module]:
-    """``spec``'s stack: the pre-LN causal blocks of ``GPT(GPTConfig(...))`` with
-    ``t_final=1`` (so ``h = 1/N``), freshly built from ``spec.seed`` (the same on
-    every rank). The block factory :func:`measure_two_process` takes."""
-    from leantrain.models import GPT, GPTConfig
-
-    torch.manual_seed(spec.seed)
+def deep_gpt(
+    n_layer: int, d_model: int, n_head: int, tokens: int, seed: int = 0
+) -> GPT:
+    """The depth measurements' GPT: ``n_layer`` pre-LN causal blocks with
+    ``t_final=1`` (so ``h = 1/N``, the ODE regime in which MGRIT converges), built
+    from ``seed`` (the same weights on every rank and in every run)."""
+    torch.manual_seed(seed)
     config = GPTConfig(
-        block_size=spec.tokens,
-        n_layer=spec.n_layers,
-        n_head=spec.n_head,
-        d_model=spec.d_model,
+        block_size=tokens,
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
         t_final=1.0,
     )
-    return list(GPT(config).stack.steps)
+    return GPT(config)
+
+
+def gpt_blocks(spec: StackSpec) -> list[nn.Module]:
+    """``spec``'s stack: the blocks of :func:`deep_gpt`, freshly built from
+    ``spec.seed``. The block factory :func:`measure_two_process` takes."""
+    model = deep_gpt(spec.n_layers, spec.d_model, spec.n_head, spec.tokens, spec.seed)
+    return list(model.stack.steps)
 
 
 @dataclass
@@ -122,18 +130,10 @@ def depth_accuracy(
     """Logits and gradients of the GPT, LayerParallel against its serial stack."""
     from leantrain.data import TokenBatches, load_corpus
     from leantrain.layer_parallel import LayerParallel, convergence_factor
-    from leantrain.models import GPT, GPTConfig, lm_loss
 
     corpus = load_corpus(config.data)
-    torch.manual_seed(config.seed)
-    model = GPT(
-        GPTConfig(
-            block_size=config.tokens,
-            n_layer=config.n_layer,
-            n_head=config.n_head,
-            d_model=config.d_model,
-            t_final=1.0,
-        )
+    model = deep_gpt(
+        config.n_layer, config.d_model, config.n_head, config.tokens, config.seed
     )
     batches = TokenBatches(
         corpus.train,

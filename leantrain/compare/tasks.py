@@ -123,9 +123,7 @@ def _image_task(
 
 
 TASKS: dict[str, TaskSpec] = {
-    "gpt": TaskSpec(
-        gpt_task, steps=200, batch_size=16, lr=2e-3, default_data="stdlib"
-    ),
+    "gpt": TaskSpec(gpt_task, steps=200, batch_size=16, lr=2e-3, default_data="stdlib"),
     "mlp": TaskSpec(
         _image_task(lambda shape, k: MLP((math.prod(shape), 512, 512, k)), "MLP"),
         steps=300,
