@@ -6,7 +6,8 @@ Tooling built on the solver (the solver never imports it): the ideal V-cycle wor
 (:func:`simulate_pipeline`), the projection of both over ranks and depth
 (:func:`project`), the measured inputs they take (:mod:`.timing`: layer-step samples,
 message costs, a two-process step), the launcher they run on (:func:`run_on_gloo`)
-and a phase-by-phase timer of a real step (:func:`profile_phases`). See docs/layer_parallel.md, "Chunks and the cost model".
+and a phase-by-phase timer of a real step (:func:`profile_phases`). See
+docs/layer_parallel.md, "Chunks and the cost model".
 """
 
 from leantrain.layer_parallel.costs.cycle_work import (
