@@ -19,43 +19,37 @@ Run: ``OMP_NUM_THREADS=1 python benchmarks/lp_phases.py`` (``--quick``: tiny siz
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from leantrain.compare.depth import deep_gpt
 from leantrain.data import TokenBatches, load_stdlib_text
 from leantrain.layer_parallel import (
     LayerParallel,
     ParallelDims,
     parallelize,
 )
+from leantrain.layer_parallel.costs.launch import run_on_gloo
 from leantrain.layer_parallel.costs.phase_timer import (
     PhaseTimer,
     charged,
     profile_phases,
 )
 from leantrain.layer_parallel.costs.projection import MGRITSetting
-from leantrain.layer_parallel.costs.simulate import CommModel
-from leantrain.layer_parallel.costs.timing import LayerSampler, OutsideSampler, ping
-from leantrain.models import GPT, GPTConfig, lm_loss
+from leantrain.layer_parallel.costs.timing import (
+    LayerSampler,
+    OutsideSampler,
+    measure_comm,
+)
+from leantrain.models import GPT, lm_loss
 
 
 def _model(args, depth: int) -> GPT:
-    torch.manual_seed(0)  # identical initial weights on every rank and run
-    cfg = GPTConfig(
-        n_layer=depth,
-        d_model=args.d,
-        n_head=args.heads,
-        block_size=args.tokens,
-        t_final=1.0,
-    )
-    return GPT(cfg)
+    return deep_gpt(depth, args.d, args.heads, args.tokens)
 
 
 def _run(args, setting: MGRITSetting, batches) -> tuple[PhaseTimer, list[float]]:
@@ -79,54 +73,45 @@ def _run(args, setting: MGRITSetting, batches) -> tuple[PhaseTimer, list[float]]
     return timer, steps
 
 
-def _worker(rank: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800)
+def _worker(rank: int, args) -> tuple | None:
+    """One rank: every setting's phase timers, the layer and outside samples
+    between them and the message cost; rank 0 returns them."""
+    text = load_stdlib_text()
+    stream = TokenBatches(
+        text.train, block_size=args.tokens, batch_size=args.batch, seed=0
     )
-    try:
-        text = load_stdlib_text()
-        stream = TokenBatches(
-            text.train, block_size=args.tokens, batch_size=args.batch, seed=0
-        )
-        batches = [b for _, b in zip(range(args.steps + 1), stream, strict=False)]
-        model = _model(args, 8)
-        x = torch.randn(args.batch, args.tokens, args.d)
-        samplers = [
-            LayerSampler(model.stack.steps[0], x, 1 / args.depth, clock=clock)
-            for clock in (time.perf_counter, time.thread_time)
-        ] + [
-            OutsideSampler(model, batches[0], lr=args.lr, clock=clock)
-            for clock in (time.perf_counter, time.thread_time)
-        ]
-        for sampler in samplers:
-            sampler()
-            sampler.samples.clear()
-        out = []
-        for spec in args.lp:
-            setting = MGRITSetting.parse(spec)
-            timer, steps = _run(args, setting, batches)
-            dist.barrier()
-            for _ in range(args.samples):
-                for sampler in samplers:
-                    sampler()
-            step = torch.tensor([statistics.median(steps)])
-            dist.all_reduce(step, op=dist.ReduceOp.MAX)
-            got = [None, None]
-            dist.all_gather_object(
-                got, (dict(timer.wall), dict(timer.cpu), dict(timer.calls))
-            )
-            out.append((setting, step.item(), got))
-        lat = ping(1 - rank, torch.zeros(2), rank == 0, 20)
-        big = torch.zeros(1 << 20)
-        big_t = ping(1 - rank, big, rank == 0, 5)
-        comm = CommModel(lat, big.numel() * 4 / max(big_t - lat, big_t / 2))
-        if rank == 0:
-            queue.put((out, [s.times() for s in samplers], comm, os.getloadavg()))
+    batches = [b for _, b in zip(range(args.steps + 1), stream, strict=False)]
+    model = _model(args, 8)
+    x = torch.randn(args.batch, args.tokens, args.d)
+    samplers = [
+        LayerSampler(model.stack.steps[0], x, 1 / args.depth, clock=clock)
+        for clock in (time.perf_counter, time.thread_time)
+    ] + [
+        OutsideSampler(model, batches[0], lr=args.lr, clock=clock, loss_fn=lm_loss)
+        for clock in (time.perf_counter, time.thread_time)
+    ]
+    for sampler in samplers:
+        sampler()
+        sampler.samples.clear()
+    out = []
+    for spec in args.lp:
+        setting = MGRITSetting.parse(spec)
+        timer, steps = _run(args, setting, batches)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        for _ in range(args.samples):
+            for sampler in samplers:
+                sampler()
+        step = torch.tensor([statistics.median(steps)])
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        got = [None, None]
+        dist.all_gather_object(
+            got, (dict(timer.wall), dict(timer.cpu), dict(timer.calls))
+        )
+        out.append((setting, step.item(), got))
+    comm = measure_comm(rank)
+    if rank != 0:
+        return None
+    return out, [s.times() for s in samplers], comm, os.getloadavg()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,17 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.depth, args.d, args.heads, args.tokens, args.steps = 16, 32, 2, 16, 2
     start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    out, (times, cpu_times, outside, cpu_outside), comm, load = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
+    result = run_on_gloo(_worker, 2, args, timeout=3600)
+    out, (times, cpu_times, outside, cpu_outside), comm, load = result
     n, sb = args.depth, args.batch * args.tokens * args.d * 4
     print(
         f"GPT N={n}, d={args.d}, batch {args.batch}, {args.tokens} tokens, 2 gloo "

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from leantrain.compare.depth import gpt_blocks
 from leantrain.layer_parallel.costs.simulate import CommModel, LayerTimes, simulate
 from leantrain.layer_parallel.costs.timing import (
     StackSpec,
@@ -57,7 +58,7 @@ def measured(args) -> CommModel:
         repeats=args.repeats,
         layer_reps=args.layer_reps,
     )
-    timing = measure_two_process(spec, timeout=7200)
+    timing = measure_two_process(spec, gpt_blocks, timeout=7200)
     par, serial, lt, comm = timing.parallel, timing.serial, timing.layers, timing.comm
     lat, bandwidth, nbytes = comm.latency, comm.bandwidth, spec.state_bytes
     pred = simulate(

@@ -390,7 +390,9 @@ def depth(size: Size, device: torch.device, micro_batches=(1, 2, 4, 8)):
     for m in micro_batches:
         mb = batch // m
         layer = LayerSampler(block, x[:mb], 1 / 64, clock=clock)
-        ends = OutsideSampler(copy.deepcopy(model), (idx[:mb], idx[:mb]), 1e-3, clock)
+        ends = OutsideSampler(
+            copy.deepcopy(model), (idx[:mb], idx[:mb]), 1e-3, clock, loss_fn=lm_loss
+        )
         for _ in range(size.depth_reps + 1):  # the first is a warm-up
             layer()
             ends()

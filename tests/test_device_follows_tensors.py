@@ -151,9 +151,9 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
     ("layer_parallel/costs/simulate.py", "_solve_clock", "Generator"): _CPU_TOOL,
     ("layer_parallel/costs/simulate.py", "_solve_clock", "zeros"): _CPU_TOOL,
     ("layer_parallel/costs/simulate.py", "_solve_clock.prop", "rand"): _CPU_TOOL,
-    ("layer_parallel/costs/timing.py", "_worker", "randn"): _CPU_TOOL,
-    ("layer_parallel/costs/timing.py", "_worker", "tensor"): _CPU_TOOL,
-    ("layer_parallel/costs/timing.py", "_worker", "zeros"): _CPU_TOOL,
+    ("layer_parallel/costs/timing.py", "_two_process_worker", "randn"): _CPU_TOOL,
+    ("layer_parallel/costs/timing.py", "_two_process_worker", "tensor"): _CPU_TOOL,
+    ("layer_parallel/costs/timing.py", "measure_comm", "zeros"): _CPU_TOOL,
 }
 
 

@@ -1,4 +1,4 @@
-"""The layer-parallel demos (examples/_lp_demo.py): the learning-rate schedule, the
+"""The layer-parallel demo (examples/lp_demo.py): the learning-rate schedule, the
 perturbation that measures a run's noise floor, and the ViT demo end to end."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from _lp_demo import lr_factor, perturb_  # noqa: E402
+from lp_demo import lr_factor, perturb_  # noqa: E402
 
 
 def test_lr_factor_warms_up_linearly_then_follows_the_schedule():
@@ -72,13 +72,14 @@ def test_lp_vit_runs_end_to_end_in_one_process(data, tmp_path, capsys):
     """A few steps of the ViT demo, serial and layer-parallel (one-process solver):
     the demo wires data, model and solver together, and before any step the two runs
     see the same model (the same first evaluation, up to the MGRIT forward's error)."""
-    import lp_vit
-    from _lp_demo import parser, run
+    from lp_demo import make_demo, parser, run
 
-    cli = parser("test")
-    cli.add_argument("--data", default=data)
-    args = cli.parse_args(
+    args = parser("test").parse_args(
         [
+            "--model",
+            "vit",
+            "--data",
+            data,
             "--steps",
             "4",
             "--layers",
@@ -99,7 +100,7 @@ def test_lp_vit_runs_end_to_end_in_one_process(data, tmp_path, capsys):
             str(tmp_path / "vit.png"),
         ]
     )
-    result = run(lp_vit.make_demo, args)
+    result = run(make_demo, args)
     serial, parallel = result["serial"]["curve"], result["parallel"]["curve"]
     assert [s for s, _ in serial] == [0, 2, 4] == [s for s, _ in parallel]
     assert serial[0][1] == pytest.approx(parallel[0][1], rel=1e-5)

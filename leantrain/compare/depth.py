@@ -36,12 +36,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
 from leantrain.compare.depth_device import GPU_INTERCONNECT, time_on_device
 from leantrain.compare.jobs import Job
 from leantrain.compare.report import fmt, mark_under_load, markdown_table
 from leantrain.layer_parallel.costs.simulate import CommModel, simulate
 from leantrain.layer_parallel.costs.timing import StackSpec, measure_two_process
+from leantrain.models import GPT, GPTConfig, lm_loss
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,30 @@ class DepthConfig:
 DEFAULT = DepthConfig()
 
 
+def deep_gpt(
+    n_layer: int, d_model: int, n_head: int, tokens: int, seed: int = 0
+) -> GPT:
+    """The depth measurements' GPT: ``n_layer`` pre-LN causal blocks with
+    ``t_final=1`` (so ``h = 1/N``, the ODE regime in which MGRIT converges), built
+    from ``seed`` (the same weights on every rank and in every run)."""
+    torch.manual_seed(seed)
+    config = GPTConfig(
+        block_size=tokens,
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+        t_final=1.0,
+    )
+    return GPT(config)
+
+
+def gpt_blocks(spec: StackSpec) -> list[nn.Module]:
+    """``spec``'s stack: the blocks of :func:`deep_gpt`, freshly built from
+    ``spec.seed``. The block factory :func:`measure_two_process` takes."""
+    model = deep_gpt(spec.n_layers, spec.d_model, spec.n_head, spec.tokens, spec.seed)
+    return list(model.stack.steps)
+
+
 @dataclass
 class DepthAccuracy:
     """Parallel against serial on one batch, and the convergence factors."""
@@ -109,18 +135,10 @@ def depth_accuracy(
     """Logits and gradients of the GPT, LayerParallel against its serial stack."""
     from leantrain.data import TokenBatches, load_corpus
     from leantrain.layer_parallel import LayerParallel, convergence_factor
-    from leantrain.models import GPT, GPTConfig, lm_loss
 
     corpus = load_corpus(config.data)
-    torch.manual_seed(config.seed)
-    model = GPT(
-        GPTConfig(
-            block_size=config.tokens,
-            n_layer=config.n_layer,
-            n_head=config.n_head,
-            d_model=config.d_model,
-            t_final=1.0,
-        )
+    model = deep_gpt(
+        config.n_layer, config.d_model, config.n_head, config.tokens, config.seed
     )
     batches = TokenBatches(
         corpus.train,
@@ -165,8 +183,8 @@ def time_two_processes(config: DepthConfig, *, progress: Callable[[], None]):
     """The exclusive job: :func:`measure_two_process` of the stack, or on CUDA
     :func:`~leantrain.compare.depth_device.time_on_device`."""
     if config.device != "cpu":
-        return time_on_device(config.stack_spec(), config.device)
-    return measure_two_process(config.stack_spec())
+        return time_on_device(config.stack_spec(), gpt_blocks, config.device)
+    return measure_two_process(config.stack_spec(), gpt_blocks)
 
 
 def _one_device(timing) -> bool:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from leantrain.compare.devices import device_clock
 from leantrain.layer_parallel.costs.simulate import CommModel, LayerTimes
@@ -47,12 +49,14 @@ class DeviceTiming:
     speedup = math.nan
 
 
-def time_on_device(spec: StackSpec, device: str) -> DeviceTiming:
-    """Time ``spec``'s stack serially on ``device`` and sample its layer steps,
+def time_on_device(
+    spec: StackSpec, make_blocks: Callable[[StackSpec], list[nn.Module]], device: str
+) -> DeviceTiming:
+    """Time ``make_blocks(spec)`` serially on ``device`` and sample its layer steps,
     interleaved round by round; each time is the median after one warm-up round."""
     from leantrain.layer_parallel import LayerParallel
 
-    serial = LayerParallel(spec.blocks(), cf=spec.cf).serial().to(device)
+    serial = LayerParallel(make_blocks(spec), cf=spec.cf).serial().to(device)
     torch.manual_seed(spec.seed + 1)
     x = torch.randn(spec.batch, spec.tokens, spec.d_model).to(device)
     w = torch.randn(x.shape).to(device)

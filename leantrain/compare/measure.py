@@ -71,7 +71,8 @@ def state_nbytes(optimizer: Optimizer) -> int:
     return sum(sizes.values())
 
 
-def _proc_status_kib(key: str) -> int:
+def proc_status_kib(key: str) -> int:
+    """``key`` (``"VmRSS"``, ``"VmHWM"``) of ``/proc/self/status``, in KiB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -79,8 +80,9 @@ def _proc_status_kib(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def _reset_peak_rss() -> bool:
-    """Returns freed heap memory to the OS, then resets VmHWM to the current RSS."""
+def reset_peak_rss() -> bool:
+    """Returns freed heap memory to the OS, then resets VmHWM to the current RSS
+    (False where ``/proc`` cannot be written: VmHWM then keeps earlier peaks)."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
     try:
@@ -107,11 +109,11 @@ def measured_step(optimizer: Optimizer) -> StepMeasure:
     reuses is not seen, so this is a lower bound on the step's temporaries. Where
     ``/proc`` cannot be used, ``peak_bytes`` is None.
     """
-    tracked = _reset_peak_rss()
-    rss_before = _proc_status_kib("VmRSS") if tracked else 0
+    tracked = reset_peak_rss()
+    rss_before = proc_status_kib("VmRSS") if tracked else 0
     t0 = time.perf_counter()
     optimizer.step()
     seconds = time.perf_counter() - t0
     if not tracked:
         return StepMeasure(seconds, None)
-    return StepMeasure(seconds, 1024 * (_proc_status_kib("VmHWM") - rss_before))
+    return StepMeasure(seconds, 1024 * (proc_status_kib("VmHWM") - rss_before))

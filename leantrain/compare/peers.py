@@ -65,7 +65,13 @@ def _failure(error: BaseException) -> str:
 
 
 def train_peer(
-    task: Task, name: str, steps: int, lr: float, progress: Callable[[], None]
+    task: Task,
+    name: str,
+    steps: int,
+    lr: float,
+    progress: Callable[[], None],
+    *,
+    weight_decay: float = WEIGHT_DECAY,
 ) -> PeerResult:
     """Train a copy of ``task.model`` with peer ``name``; a failure is a status."""
     result = PeerResult(name, note=OPTIMIZERS[name].note)
@@ -74,7 +80,7 @@ def train_peer(
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     try:
-        optimizer = OPTIMIZERS[name].factory(model, lr, WEIGHT_DECAY)
+        optimizer = OPTIMIZERS[name].factory(model, lr, weight_decay)
         times, peaks = [], []
         for i, batch in zip(range(steps), task.batches(), strict=False):
             optimizer.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ from leantrain.data import (
     load_digits,
     load_image_folder,
 )
-from leantrain.models import CNN, GPT, MLP, lm_loss
+from leantrain.models import CNN, GPT, MLP, GPTConfig, lm_loss
 
 
 @dataclass
@@ -75,17 +75,24 @@ class TaskSpec:
     default_data: str
 
 
-def _gpt_task(args: argparse.Namespace) -> Task:
+def gpt_task(args: argparse.Namespace, config: GPTConfig | None = None) -> Task:
+    """The GPT task on ``args.data``: ``GPT.default()``, or ``GPT(config)`` (e.g. a
+    larger model for step timing, as ``benchmarks/optimizers.py`` runs)."""
     corpus = load_corpus(args.data)
     torch.manual_seed(args.seed)
-    model = GPT.default()
+    model = GPT.default() if config is None else GPT(config)
+    name = (
+        "GPT.default()"
+        if config is None
+        else f"GPT(n_layer={config.n_layer}, d_model={config.d_model})"
+    )
     T = model.config.block_size
     # Checks block_size against the corpus before any training starts.
     val = fixed_token_batches(
         corpus.val, 8, block_size=T, batch_size=args.batch_size, seed=args.seed + 1
     )
     return Task(
-        description=f"GPT.default() ({model.num_params():,} params), byte-level "
+        description=f"{name} ({model.num_params():,} params), byte-level "
         f"text '{corpus.name}' ({len(corpus.train):,} train bytes), T={T}",
         model=model,
         batches=lambda: iter(
@@ -129,9 +136,7 @@ def _image_task(
 
 
 TASKS: dict[str, TaskSpec] = {
-    "gpt": TaskSpec(
-        _gpt_task, steps=200, batch_size=16, lr=2e-3, default_data="stdlib"
-    ),
+    "gpt": TaskSpec(gpt_task, steps=200, batch_size=16, lr=2e-3, default_data="stdlib"),
     "mlp": TaskSpec(
         _image_task(lambda shape, k: MLP((math.prod(shape), 512, 512, k)), "MLP"),
         steps=300,

@@ -155,14 +155,14 @@ def adjoint_solve(
     *,
     exchange: Exchange | None = None,
     init: Sequence[State] | None = None,
-    pipelined: bool = False,
+    serial: bool = False,
 ) -> tuple[State, dict[int, torch.Tensor], list[State], MGRITStats | None]:
     """Adjoint MGRIT: ``(dL/du_0, {id(p): grad}, adjoint trajectory, stats)``.
 
     The adjoint trajectory is in reversed index order (``[lambda_N, ..., lambda_0]``),
     the form ``init`` takes for a warm start. With an exchange, ``dL/du_0`` is valid
-    on the process holding the last adjoint chunk (forward chunk 0). ``pipelined``
-    replaces MGRIT by exact serial stepping chunk after chunk (stats None).
+    on the process holding the last adjoint chunk (forward chunk 0). ``serial``
+    replaces MGRIT by exact serial stepping, relayed chunk after chunk (stats None).
     """
     local = len(exchange.local_chunks) if exchange is not None else layout.chunks
     expected = layout.per_chunk(0) * local  # this process's layers only
@@ -172,7 +172,7 @@ def adjoint_solve(
             f"({len(forward.inputs)} of {expected} local layers recorded)"
         )
     prop = AdjointPropagator(forward, params)
-    if pipelined:
+    if serial:
         traj = sequential_solve(prop, grad_output, layout, exchange)
         stats = None
     else:

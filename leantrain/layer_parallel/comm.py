@@ -7,8 +7,8 @@ what :class:`~.layout.LocalExchange` moves inside one process:
 
 * ``shift``: each rank's last point goes to its right neighbour, posted together with
   the receive from the left neighbour in one ``batch_isend_irecv``;
-* ``pipeline``: receive the ghost from the left, run the chunk, send the last point
-  right (the coarsest level's serial solve, and the exact serial "pipeline" mode);
+* ``relay``: receive the ghost from the left, run the chunk, send the last point
+  right (the coarsest level's serial solve, and the exact serial mode);
 * ``allreduce_sum``: one float64 ``all_reduce`` per residual norm.
 
 Every wait has a timeout. A rank that fails mid-step (an exception, a killed process)
@@ -163,7 +163,7 @@ class DistExchange(Exchange):
         ghost = self._send_recv(lasts[0], right, first, left)
         return [first if ghost is None else ghost]
 
-    def pipeline(self, fn: Callable[[int, State], State], first: State) -> None:
+    def relay(self, fn: Callable[[int, State], State], first: State) -> None:
         c = self.chunk
         ghost = first
         if c > 0:

@@ -18,7 +18,7 @@ nothing: the next batch becomes the check batch.
 
 When ``rho > threshold`` the policy decides: ``"serial"`` switches every
 :class:`~.module.LayerParallel` to exact serial execution in place (distributed: the
-rank-to-rank pipeline); ``"iterations"`` adds ``step`` forward and adjoint cycles,
+rank-to-rank relay); ``"iterations"`` adds ``step`` forward and adjoint cycles,
 and switches to serial once ``max_iters`` (default ``N/(2 cf) + 1``, where MGRIT is
 exact anyway) would be exceeded. Training goes on with the same module, parameters
 and optimizer: no restart, no checkpoint conversion. On a model spread over a device

@@ -6,7 +6,7 @@ point ``i`` runs step ``i-1 -> i``). On level ``l`` it owns ``n_l = N / (P cf^l)
 points. Because ``n_l`` is a multiple of ``cf`` on every relaxed level, every
 F-interval lies inside one chunk and a chunk needs exactly one state from outside: the
 last point of its left neighbour (the "ghost"), before each F-relaxation, plus the
-coarsest level's serial pipeline and one scalar reduction per residual.
+coarsest level's serial relay and one scalar reduction per residual.
 
 :class:`Exchange` is that interface. :class:`LocalExchange` implements it for all
 chunks in one process; a ``torch.distributed`` version (one chunk per rank) only has
@@ -82,8 +82,9 @@ class Exchange(ABC):
         """
 
     @abstractmethod
-    def pipeline(self, fn: Callable[[int, State], State], first: State) -> None:
-        """Sweep ``last = fn(chunk, ghost)``, chunk after chunk, left to right."""
+    def relay(self, fn: Callable[[int, State], State], first: State) -> None:
+        """The relay: ``last = fn(chunk, ghost)``, chunk after chunk, left to right,
+        each chunk's ghost the last point of the one before."""
 
     @abstractmethod
     def allreduce_sum(self, value: float) -> float:
@@ -91,7 +92,7 @@ class Exchange(ABC):
 
 
 class LocalExchange(Exchange):
-    """All ``chunks`` in one process: shifts are list moves, the pipeline a loop.
+    """All ``chunks`` in one process: shifts are list moves, the relay a loop.
 
     Example:
         >>> ex = LocalExchange(3)
@@ -105,7 +106,7 @@ class LocalExchange(Exchange):
     def shift(self, lasts: Sequence[State], first: State) -> list[State]:
         return [first, *lasts[:-1]]
 
-    def pipeline(self, fn: Callable[[int, State], State], first: State) -> None:
+    def relay(self, fn: Callable[[int, State], State], first: State) -> None:
         ghost = first
         for p in self.local_chunks:
             ghost = fn(p, ghost)

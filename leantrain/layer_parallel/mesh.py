@@ -7,7 +7,7 @@ gradients over the ``dp`` axis at the end of every backward pass.
 
 Mesh layout (``init_device_mesh(device, (dp, lp), mesh_dim_names=("dp", "lp"))``):
 global rank ``d * lp + r`` is layer chunk ``r`` of data replica ``d``, so an ``lp``
-group is ``lp`` consecutive ranks (the rank-to-rank pipeline stays on neighbouring
+group is ``lp`` consecutive ranks (the rank-to-rank relay stays on neighbouring
 devices, usually one node) and a ``dp`` group is every ``lp``-th rank. The ranks of
 one ``lp`` group must see the same batch; each ``dp`` replica sees its own.
 

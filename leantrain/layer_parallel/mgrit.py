@@ -9,7 +9,7 @@ of ``cf`` are C-points, the others F-points. One iteration (a V-cycle) is, top d
 * relaxation: ``nu_l`` sweeps of F then C, then one more F (``nu_l = 1``: FCF);
 * residual at C-points ``r_j = f_j - u_j + \Phi(u_{j-1})`` and injection ``v = u|_C``;
 * FAS/tau right-hand side ``f^c_J = r_{J cf} + v_J - \Phi^c(v_{J-1})``;
-* on the coarsest level a serial solve (pipelined chunk to chunk);
+* on the coarsest level a serial solve (relayed chunk to chunk);
 * bottom up: correction ``u_{J cf} += u^c_J - v_J`` at C-points, then (intermediate
   levels only) an F-relaxation that interpolates it to the F-points. Level 0's F-points
   are fixed by the next iteration's relaxation or by the final F-C sweep.
@@ -123,7 +123,7 @@ class MGRITStats:
             (set by the solve; the scale of :attr:`relative_residual`).
         work: per cycle, per level, layer steps summed over all chunks.
         critical_path: per cycle, the steps of the slowest chunk plus the whole
-            coarsest pipeline (the cost-model ``W``).
+            coarsest relay (the cost-model ``W``).
         final_work: layer steps of the final F-C sweep over all chunks (``N``).
     """
 
@@ -198,7 +198,7 @@ def sequential_solve(
         points[p] = serial_sweep(step, ghost, None, layout.offset(p, 0), n0)
         return points[p][-1]
 
-    ex.pipeline(run, u0)
+    ex.relay(run, u0)
     return [u0, *(x for p in ex.local_chunks for x in points[p][1:])]
 
 
@@ -218,10 +218,10 @@ class _Chunk:
         self.v: list[list[State]] = [[] for _ in range(levels)]
         self.f: list[Rhs] = [None] * levels
         self.parallel = [0] * levels  # steps done alongside the other chunks
-        self.pipelined = [0] * levels  # steps on the coarsest serial pipeline
+        self.relayed = [0] * levels  # steps on the coarsest serial relay
 
-    def stepper(self, level: int, *, pipelined: bool = False, final: bool = False):
-        counter = self.pipelined if pipelined else self.parallel
+    def stepper(self, level: int, *, relayed: bool = False, final: bool = False):
+        counter = self.relayed if relayed else self.parallel
 
         def step(j: int, u: State) -> State:
             counter[level] += 1
@@ -260,7 +260,7 @@ class _Chunk:
         self.v[level + 1], self.f[level + 1], self.u[level + 1] = v, None, list(v)
 
     def coarse_solve(self, level: int, ghost: State) -> State:
-        step = self.stepper(level, pipelined=True)
+        step = self.stepper(level, relayed=True)
         n = self.layout.per_chunk(level)
         self.u[level] = serial_sweep(step, ghost, self.f[level], self.offset(level), n)
         return self.u[level][-1]
@@ -273,9 +273,9 @@ class _Chunk:
         return sum(sq_norm(x) for x in self.u[0][self.layout.cf :: self.layout.cf])
 
     def take_work(self) -> tuple[list[int], list[int]]:
-        out = (self.parallel, self.pipelined)
+        out = (self.parallel, self.relayed)
         levels = self.layout.levels
-        self.parallel, self.pipelined = [0] * levels, [0] * levels
+        self.parallel, self.relayed = [0] * levels, [0] * levels
         return out
 
 
@@ -372,7 +372,7 @@ def mgrit_solve(
             record_work()
             stats.iterations = k + 1
             break
-        ex.pipeline(lambda p, ghost: by_index[p].coarse_solve(levels - 1, ghost), u0)
+        ex.relay(lambda p, ghost: by_index[p].coarse_solve(levels - 1, ghost), u0)
         for level in range(levels - 2, -1, -1):
             for c in chunks:
                 c.correct(level)

@@ -364,8 +364,8 @@ class LayerParallel(nn.Module):
     ):
         params = [[p for p in s.parameters() if p.requires_grad] for s in self.steps]
         ex = self._exchanges[1] if self.is_distributed else None
-        pipelined = record.mode == "serial"
-        init = None if pipelined else self._warm_guess("backward", grad_output)
+        serial = record.mode == "serial"
+        init = None if serial else self._warm_guess("backward", grad_output)
         grad_in, grads, traj, stats = adjoint_solve(
             prop,
             grad_output,
@@ -374,9 +374,9 @@ class LayerParallel(nn.Module):
             params,
             exchange=ex,
             init=init,
-            pipelined=pipelined,
+            serial=serial,
         )
-        if not pipelined:
+        if not serial:
             self._finish("backward", traj, stats, record, ex)
         if ex is not None:  # dL/du_0 lives on the first forward rank (adjoint last)
             grad_in = ex.broadcast(grad_in, ex.size - 1)

@@ -173,7 +173,7 @@ def test_one_device_depth_timing_through_the_table_sentence_and_panel():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timing = time_on_device(TINY_DEPTH.stack_spec(), "cpu")
+    timing = time_on_device(TINY_DEPTH.stack_spec(), compare_depth.gpt_blocks, "cpu")
     assert timing.serial > 0 and timing.layers.forward > 0
     assert timing.comm == GPU_INTERCONNECT and math.isnan(timing.speedup)
     accuracy = compare_depth.DepthAccuracy(1e-2, 9e-2, 0.09, 0.11, 30_000)

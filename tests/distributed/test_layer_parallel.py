@@ -129,7 +129,7 @@ def _parity_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     )
     results["tuple_state"] = _compare(rank, world, ref, par, x2, w2)
 
-    # distributed serial mode (rank-to-rank pipeline) == plain autograd, exactly
+    # distributed serial mode (rank-to-rank relay) == plain autograd, exactly
     blocks = _blocks(n)
     ref = LayerParallel(copy.deepcopy(blocks), chunks=world).serial()
     par = parallelize_over_all_ranks(LayerParallel(blocks)).serial()

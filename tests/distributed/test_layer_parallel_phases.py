@@ -47,7 +47,7 @@ def test_profile_phases_on_two_ranks():
         # per rank) and the final sweep (4 steps per rank), in both directions
         assert calls["fwd coarse"] == 2 and calls["fwd final"] == 4
         assert calls["adj coarse"] == 2 and calls["adj final"] == 4
-        for phase in ("msg shift", "msg pipeline", "msg allreduce", "msg broadcast"):
+        for phase in ("msg shift", "msg relay", "msg allreduce", "msg broadcast"):
             assert calls[phase] >= 1, (phase, calls)
         assert r["phases_sum"] == pytest.approx(r["total"])
         assert r["same"] == 1.0 and r["restored"] == 1.0

@@ -1,6 +1,6 @@
 """The serial-forward / MGRIT-adjoint mode on 2 gloo processes.
 
-Each rank runs its chunk of layers: the forward is the exact pipeline rank to rank,
+Each rank runs its chunk of layers: the forward is the exact serial relay rank to rank,
 the adjoint an MGRIT solve across the ranks. Checked in float64 against one process:
 with one (inexact) adjoint cycle the distributed run equals ``LayerParallel(chunks=2)``
 with the same options (output, input gradient, own layers' gradients, adjoint residual

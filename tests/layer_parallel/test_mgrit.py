@@ -287,15 +287,15 @@ class _CountingExchange(LocalExchange):
 
     def __init__(self, chunks):
         super().__init__(chunks)
-        self.shifts, self.pipelines, self.reductions = 0, 0, 0
+        self.shifts, self.relays, self.reductions = 0, 0, 0
 
     def shift(self, lasts, first):
         self.shifts += 1
         return super().shift(lasts, first)
 
-    def pipeline(self, fn, first):
-        self.pipelines += 1
-        return super().pipeline(fn, first)
+    def relay(self, fn, first):
+        self.relays += 1
+        return super().relay(fn, first)
 
     def allreduce_sum(self, value):
         self.reductions += 1
@@ -314,10 +314,10 @@ def test_boundary_traffic_goes_through_the_exchange(levels):
     assert _max_err(traj, ref) == 0
     # per full cycle: two F-relaxations (FCF) per relaxed level, one interpolating
     # F-relaxation per intermediate level; the skipped cycle only interpolates; the
-    # final sweep shifts once. One pipeline per cycle; one reduction per full cycle
+    # final sweep shifts once. One relay per cycle; one reduction per full cycle
     # (the level-0 residual of the stopping test: the other levels' residuals are
     # not used, so not reduced), two at the end (final residual, state norm).
     relaxed, inter = levels - 1, levels - 2
     assert ex.shifts == inter + 2 * (2 * relaxed + inter) + 1
-    assert ex.pipelines == 3
+    assert ex.relays == 3
     assert ex.reductions == 2 * 1 + 2

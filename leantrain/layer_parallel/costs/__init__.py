@@ -5,8 +5,9 @@ Tooling built on the solver (the solver never imports it): the ideal V-cycle wor
 (:func:`simulate`, which runs the real solver on a clock) and for pipeline schedules
 (:func:`simulate_pipeline`), the projection of both over ranks and depth
 (:func:`project`), the measured inputs they take (:mod:`.timing`: layer-step samples,
-message costs, a two-process step) and a phase-by-phase timer of a real step
-(:func:`profile_phases`). See docs/layer_parallel.md, "Chunks and the cost model".
+message costs, a two-process step), the launcher they run on (:func:`run_on_gloo`)
+and a phase-by-phase timer of a real step (:func:`profile_phases`). See
+docs/layer_parallel.md, "Chunks and the cost model".
 """
 
 from leantrain.layer_parallel.costs.cycle_work import (
@@ -14,6 +15,7 @@ from leantrain.layer_parallel.costs.cycle_work import (
     solve_time,
     vcycle_work,
 )
+from leantrain.layer_parallel.costs.launch import free_port, run_on_gloo
 from leantrain.layer_parallel.costs.phase_timer import (
     PhaseTimer,
     charged,
@@ -45,6 +47,7 @@ from leantrain.layer_parallel.costs.timing import (
     StackSpec,
     TwoProcessTiming,
     layer_times,
+    measure_comm,
     measure_two_process,
     ping,
 )
@@ -66,12 +69,15 @@ __all__ = [
     "bubble_fraction",
     "charged",
     "crossover",
+    "free_port",
     "layer_times",
+    "measure_comm",
     "measure_two_process",
     "ping",
     "profile_phases",
     "project",
     "projection_table",
+    "run_on_gloo",
     "simulate",
     "simulate_pipeline",
     "skipped_cycle_work",

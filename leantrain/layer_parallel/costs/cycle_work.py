@@ -12,7 +12,7 @@ Term by term, as the solver counts it: ``nu_0`` F+C sweeps cost ``n_0`` each, th
 F-relaxation before restriction ``n_0 (1 - 1/cf)``, the C-point residual ``n_0/cf``,
 the tau correction ``n_1 = n_0/cf`` coarse steps; an intermediate level adds its
 interpolating F-relaxation ``n_l (1 - 1/cf)``; the coarsest level is one serial
-pipeline over all chunks, ``N/cf^{L-1}``. The final F-C sweep costs ``N/P``. A skipped
+relay over all chunks, ``N/cf^{L-1}``. The final F-C sweep costs ``N/P``. A skipped
 first down-cycle costs only the coarsest solve and the interpolations.
 """
 

@@ -13,7 +13,7 @@ stack's work to phases while it is active:
   final sweep (``fwd final``); the adjoint's VJPs through stored graphs
   (``adj relax``), coarse steps (``adj coarse``: the layer recomputed with a graph,
   then its VJP) and final sweep with parameter gradients (``adj final``);
-* every exchange between ranks (``msg shift``, ``msg pipeline``, ``msg allreduce``,
+* every exchange between ranks (``msg shift``, ``msg relay``, ``msg allreduce``,
   ``msg broadcast``), their waits included;
 * the solver's own work between those (``fwd solver``, ``adj solver``: residual
   norms, corrections, bookkeeping, Python);
@@ -159,7 +159,7 @@ def _step_phase(direction: str, level: int, final: bool) -> str:
 
 
 class _TimedExchange:
-    """An exchange whose calls are timed; the coarse pipeline's own work is not."""
+    """An exchange whose calls are timed; the coarse relay's own work is not."""
 
     def __init__(self, inner, timer: PhaseTimer) -> None:
         self._inner, self._timer = inner, timer
@@ -170,15 +170,15 @@ class _TimedExchange:
             return self._timer.wrap(f"msg {name.removesuffix('_sum')}", attr)
         if name in ("broadcast", "broadcast_int"):
             return self._timer.wrap("msg broadcast", attr)
-        if name == "pipeline":
+        if name == "relay":
 
-            def pipeline(fn, first):
+            def relay(fn, first):
                 # the chunk's coarse solve inside is charged to its own phases
                 outer = self._timer._stack[-1] if self._timer._stack else "outside"
-                with self._timer.phase("msg pipeline"):
+                with self._timer.phase("msg relay"):
                     attr(self._timer.wrap(outer, fn), first)
 
-            return pipeline
+            return relay
         return attr
 
 

@@ -27,7 +27,7 @@ from leantrain.layer_parallel.costs.simulate_pipeline import simulate_pipeline
 @dataclass(frozen=True)
 class MGRITSetting:
     """One MGRIT configuration; ``fwd_iters=0`` means an exact serial forward
-    (``forward_solver="serial"``), whose time is the rank-to-rank pipeline of ``N``
+    (``forward_solver="serial"``), whose time is the rank-to-rank relay of ``N``
     recorded forward steps."""
 
     levels: int = 2

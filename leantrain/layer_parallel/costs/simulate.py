@@ -7,7 +7,7 @@ into point ``j`` of level ``l`` adds that step's time to the clock of the chunk 
 messages move them:
 
 * ``shift``: chunk ``p`` may continue at ``max(own clock, clock of p-1 + message)``;
-* ``pipeline`` (coarsest level): chunk after chunk, each waiting for its left
+* ``relay`` (coarsest level): chunk after chunk, each waiting for its left
   neighbour's last point plus one message;
 * ``allreduce_sum`` (residual norm): everyone waits for the slowest, plus the
   reduction time.
@@ -29,7 +29,7 @@ coarse adjoint step recomputes the layer with a graph and then applies its VJP. 
 serial reference step is ``N`` (forward with graph + VJP with parameters).
 
 ``forward_solver="serial"`` (the serial-forward / MGRIT-adjoint mode) replaces the
-forward solve by the exact pipeline the distributed module runs: chunk after chunk,
+forward solve by the exact serial relay the distributed module runs: chunk after chunk,
 each recording its ``N/P`` layers (``forward_record``) once its left neighbour's last
 point has arrived, so the forward costs ``N * forward_record + (P - 1)`` messages plus
 the output broadcast; the adjoint is the same MGRIT solve as in the default mode.
@@ -199,7 +199,7 @@ class _ClockExchange(Exchange):
             self.clock[p] = max(self.clock[p], sent[p - 1] + self.msg)
         return [first, *lasts[:-1]]
 
-    def pipeline(self, fn: Callable[[int, State], State], first: State) -> None:
+    def relay(self, fn: Callable[[int, State], State], first: State) -> None:
         ghost = first
         for p in self.local_chunks:
             if p:
@@ -264,8 +264,9 @@ def simulate(
             :class:`~leantrain.layer_parallel.module.LayerParallel`.
         comm: the communication model (default: free).
         state_bytes: bytes of one state (batch x tokens x d_model x element size).
-        forward_solver: ``"mgrit"`` or ``"serial"`` (exact pipelined forward, MGRIT
-            adjoint), as in :class:`~leantrain.layer_parallel.module.LayerParallel`.
+        forward_solver: ``"mgrit"`` or ``"serial"`` (exact serial forward relayed
+            rank to rank, MGRIT adjoint), as in
+            :class:`~leantrain.layer_parallel.module.LayerParallel`.
         outside: the work outside the stack (default: none); every rank does it
             for its ``N/P`` layers, the serial step for all ``N``.
 

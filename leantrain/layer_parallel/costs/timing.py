@@ -1,8 +1,9 @@
 """Measured inputs of the schedule simulator: layer-step times and message costs.
 
-:func:`measure_two_process` trains one stack of GPT blocks for a few steps on two gloo
-processes (one thread each) with :class:`~leantrain.layer_parallel.LayerParallel` and,
-in the same two processes, serially on one of them; it also samples the four kinds of
+:func:`measure_two_process` trains one stack of blocks (built by the caller's
+factory: the axis imports no model) for a few steps on two gloo processes (one thread
+each) with :class:`~leantrain.layer_parallel.LayerParallel` and, in the same two
+processes, serially on one of them; it also samples the four kinds of
 layer step the solver performs (:class:`LayerSampler`) and the cost of a message
 (:func:`ping`). Everything is interleaved round by round (a parallel step on both
 processes, a serial step on rank 0 while rank 1 waits, layer samples on both), so all of
@@ -15,9 +16,6 @@ Used by ``leantrain compare depth`` and ``benchmarks/lp_speedup.py``.
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from leantrain.layer_parallel.costs.launch import run_on_gloo
 from leantrain.layer_parallel.costs.simulate import CommModel, LayerTimes, OutsideTimes
 
 
@@ -88,14 +87,16 @@ class LayerSampler:
 
 
 class OutsideSampler:
-    """One sample per call of a GPT training step's work outside the stack
-    (the fields of :class:`~.simulate.OutsideTimes`): embedding forward + backward,
-    head and loss forward, their backward, and AdamW steps over the stack's layers
-    (per layer) and over the embedding and head parameters.
+    """One sample per call of a language model's training-step work outside the
+    stack (the fields of :class:`~.simulate.OutsideTimes`): embedding forward +
+    backward, head and loss forward, their backward, and AdamW steps over the
+    stack's layers (per layer) and over the embedding and head parameters.
 
-    ``model`` is a :class:`~leantrain.models.GPT` used only for sampling (AdamW
-    changes its weights); ``batch`` is ``(idx, targets)``; ``clock`` as for
-    :class:`LayerSampler`.
+    ``model`` has ``embed``, ``stack`` (with ``steps``) and ``head``, as
+    :class:`~leantrain.models.GPT` does; it is used only for sampling (AdamW
+    changes its weights). ``batch`` is ``(idx, targets)``; ``clock`` as for
+    :class:`LayerSampler`; ``loss_fn(logits, targets)`` is the loss timed with the
+    head (the caller's, e.g. :func:`~leantrain.models.lm_loss`).
     """
 
     def __init__(
@@ -104,9 +105,11 @@ class OutsideSampler:
         batch: tuple[torch.Tensor, ...],
         lr: float,
         clock: Callable[[], float] = time.perf_counter,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
         self.model, (self.idx, self.targets) = model, batch
-        self.clock = clock
+        self.clock, self.loss_fn = clock, loss_fn
         layers = list(model.stack.parameters())
         ids = {id(p) for p in layers}
         ends = [p for p in model.parameters() if id(p) not in ids]
@@ -118,15 +121,13 @@ class OutsideSampler:
         self.samples: list[tuple[float, float, float, float, float]] = []
 
     def __call__(self) -> None:
-        from leantrain.models import lm_loss
-
         model, clock = self.model, self.clock
         t0 = clock()
         x = model.embed(self.idx)
         x.backward(torch.ones_like(x))
         t1 = clock()
         h = x.detach().requires_grad_()
-        loss = lm_loss(model.head(h), self.targets)
+        loss = self.loss_fn(model.head(h), self.targets)
         t2 = clock()
         loss.backward()
         t3 = clock()
@@ -176,15 +177,27 @@ def ping(peer: int, t: torch.Tensor, first: bool, reps: int) -> float:
     return statistics.median(times) / 2
 
 
+def measure_comm(rank: int, big_numel: int = 1 << 20) -> CommModel:
+    """The message-cost model between ranks 0 and 1 of a two-process group: the
+    latency from 8-byte ping-pongs, the bandwidth from ``big_numel`` float32s (at
+    least 4 MB by default: small messages are all latency). Both ranks call it."""
+    latency = ping(1 - rank, torch.zeros(2), rank == 0, 20)
+    big = torch.zeros(big_numel)
+    big_t = ping(1 - rank, big, rank == 0, 5)
+    # A loaded machine can time the small message slower than the big one.
+    bandwidth = big.numel() * 4 / max(big_t - latency, big_t / 2)
+    return CommModel(latency=latency, bandwidth=bandwidth)
+
+
 @dataclass(frozen=True)
 class StackSpec:
     """The stack and the solver of :func:`measure_two_process`.
 
-    ``n_layers`` pre-LN causal GPT blocks (``d_model``, ``n_head``; the blocks of
-    ``GPT(GPTConfig(...))`` with ``t_final=1``, so ``h = 1/N``) on a state of
-    ``batch`` x ``tokens`` x ``d_model`` (fp32); MGRIT with ``levels``, ``cf``,
-    ``fwd_iters`` and ``bwd_iters``; ``repeats`` timed rounds after one warm-up and
-    about ``layer_reps`` layer samples in all.
+    ``n_layers`` blocks (``d_model`` wide, ``n_head`` heads, for the caller's
+    factory to build; each step is ``h = 1/N``) on a state of ``batch`` x
+    ``tokens`` x ``d_model`` (fp32); MGRIT with ``levels``, ``cf``, ``fwd_iters``
+    and ``bwd_iters``; ``repeats`` timed rounds after one warm-up and about
+    ``layer_reps`` layer samples in all; ``seed`` for the factory and the input.
     """
 
     n_layers: int = 64
@@ -199,20 +212,6 @@ class StackSpec:
     repeats: int = 5
     layer_reps: int = 7
     seed: int = 0
-
-    def blocks(self) -> list[nn.Module]:
-        """The blocks, freshly built from ``seed`` (the same on every rank)."""
-        from leantrain.models import GPT, GPTConfig
-
-        torch.manual_seed(self.seed)
-        config = GPTConfig(
-            block_size=self.tokens,
-            n_layer=self.n_layers,
-            n_head=self.n_head,
-            d_model=self.d_model,
-            t_final=1.0,
-        )
-        return list(GPT(config).stack.steps)
 
     @property
     def state_bytes(self) -> int:
@@ -253,105 +252,73 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _worker(rank: int, port: int, spec: StackSpec, queue) -> None:
+BlockFactory = Callable[[StackSpec], list[nn.Module]]
+
+
+def _two_process_worker(
+    rank: int, spec: StackSpec, make_blocks: BlockFactory
+) -> TwoProcessTiming | None:
     import torch.distributed as dist
 
     from leantrain.layer_parallel.mesh import ParallelDims, parallelize
     from leantrain.layer_parallel.module import LayerParallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1200)
+    serial = LayerParallel(make_blocks(spec), cf=spec.cf).serial()
+    stack = LayerParallel(
+        make_blocks(spec),
+        cf=spec.cf,
+        levels=spec.levels,
+        fwd_iters=spec.fwd_iters,
+        bwd_iters=spec.bwd_iters,
     )
-    try:
-        serial = LayerParallel(spec.blocks(), cf=spec.cf).serial()
-        stack = LayerParallel(
-            spec.blocks(),
-            cf=spec.cf,
-            levels=spec.levels,
-            fwd_iters=spec.fwd_iters,
-            bwd_iters=spec.bwd_iters,
-        )
-        parallelize(stack, ParallelDims(lp=2).build_mesh())
-        torch.manual_seed(spec.seed + 1)
-        x = torch.randn(spec.batch, spec.tokens, spec.d_model)
-        w = torch.randn_like(x)
-        own = stack.steps[stack.owned_layers[0]]
-        sampler = LayerSampler(own, x, 1 / spec.n_layers)
-        par_t, ser_t = [], []
-        # Interleaved, so that the serial step, the parallel step and the layer
-        # times all see the same (possibly busy) machine; round 0 is a warm-up.
-        for _ in range(spec.repeats + 1):
-            dist.barrier()
-            par_t.append(_timed(lambda: _step(stack, x, w)))
-            dist.barrier()
-            if rank == 0:  # the other process waits in the barrier (idle)
-                ser_t.append(_timed(lambda: _step(serial, x, w)))
-            dist.barrier()
-            for _ in range(max(1, spec.layer_reps // spec.repeats)):
-                sampler()
-        par = torch.tensor([statistics.median(par_t[1:])])
-        dist.all_reduce(par, op=dist.ReduceOp.MAX)
-        latency = ping(1 - rank, torch.zeros(2), rank == 0, 20)
-        # Bandwidth from a message of at least 4 MB: small ones are all latency.
-        big = torch.zeros(max(x.numel(), 1 << 20))
-        big_t = ping(1 - rank, big, rank == 0, 5)
-        if rank == 0:
-            sampler.samples = sampler.samples[1:]
-            bandwidth = big.numel() * 4 / max(big_t - latency, big_t / 2)
-            queue.put(
-                TwoProcessTiming(
-                    parallel=par.item(),
-                    serial=statistics.median(ser_t[1:]),
-                    layers=sampler.times(),
-                    comm=CommModel(latency=latency, bandwidth=bandwidth),
-                )
-            )
+    parallelize(stack, ParallelDims(lp=2).build_mesh())
+    torch.manual_seed(spec.seed + 1)
+    x = torch.randn(spec.batch, spec.tokens, spec.d_model)
+    w = torch.randn_like(x)
+    own = stack.steps[stack.owned_layers[0]]
+    sampler = LayerSampler(own, x, 1 / spec.n_layers)
+    par_t, ser_t = [], []
+    # Interleaved, so that the serial step, the parallel step and the layer
+    # times all see the same (possibly busy) machine; round 0 is a warm-up.
+    for _ in range(spec.repeats + 1):
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        par_t.append(_timed(lambda: _step(stack, x, w)))
+        dist.barrier()
+        if rank == 0:  # the other process waits in the barrier (idle)
+            ser_t.append(_timed(lambda: _step(serial, x, w)))
+        dist.barrier()
+        for _ in range(max(1, spec.layer_reps // spec.repeats)):
+            sampler()
+    par = torch.tensor([statistics.median(par_t[1:])])
+    dist.all_reduce(par, op=dist.ReduceOp.MAX)
+    comm = measure_comm(rank, max(x.numel(), 1 << 20))
+    if rank != 0:
+        return None
+    sampler.samples = sampler.samples[1:]
+    return TwoProcessTiming(
+        parallel=par.item(),
+        serial=statistics.median(ser_t[1:]),
+        layers=sampler.times(),
+        comm=comm,
+    )
 
 
-def measure_two_process(spec: StackSpec, timeout: float = 600.0) -> TwoProcessTiming:
+def measure_two_process(
+    spec: StackSpec, make_blocks: BlockFactory, timeout: float = 600.0
+) -> TwoProcessTiming:
     """Spawn two gloo processes (one thread each) and measure ``spec``'s stack.
+
+    ``make_blocks(spec)`` builds the stack's ``spec.n_layers`` blocks, the same on
+    every rank (from ``spec.seed``); it runs in the spawned processes, so it must
+    be picklable (a module-level function, e.g.
+    :func:`leantrain.compare.depth.gpt_blocks`).
 
     Raises:
         RuntimeError: if a process fails or nothing arrives within ``timeout`` s.
     """
-    import queue as queue_module
-
-    import torch.multiprocessing as mp
-
     if spec.n_layers % (2 * spec.cf ** (spec.levels - 1)):
         raise ValueError(
             f"n_layers={spec.n_layers} must split into 2 chunks of a multiple of "
             f"cf**(levels-1) = {spec.cf ** (spec.levels - 1)} layers"
         )
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, port, spec, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                timing = results.get(timeout=1.0)
-                break
-            except queue_module.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"two-process layer-parallel timing failed (exit codes "
-                        f"{[p.exitcode for p in procs]})"
-                    ) from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return timing
+    return run_on_gloo(_two_process_worker, 2, spec, make_blocks, timeout=timeout)
