@@ -2,13 +2,15 @@
 
 A training loop steps the same parameters with the same states and options step
 after step; only the gradients (new tensors), the learning rate (a scheduler) and
-the step counters change. After a full step (``Gefen.step``: checks, state
-creation, ``_fused_many.step_many``) whose parameters all take the C kernel,
+the step counters change. After a full step (``_base.GefenBase``: checks, state
+creation, ``_dispatch.step_many``) whose parameters all take the C kernel,
 :meth:`StepPlan.build` keeps one kernel job per parameter in a ctypes array, with
-its own scalars and keys. :meth:`StepPlan.run` then checks, per parameter, only
-what can change between steps (the gradient's presence, dtype, size and layout,
-the parameter's storage, the state's tensors), writes the gradient pointers,
-refreshes the groups' options and makes one kernel call. The kernel's first phase
+its own scalars and keys, in the optimizer's ``_dispatch.StepCache``. A plan
+covers the param groups it was built for: all of Gefen's, GefenMuon's AdamW side.
+:meth:`StepPlan.run` then checks, per parameter, only what can change between
+steps (the gradient's presence, dtype, size and layout, the parameter's storage,
+the state's tensors), writes the gradient pointers, refreshes the groups' options
+and makes one kernel call. The kernel's first phase
 does what the full path does in Python: the non-finite check of every gradient
 (none: nothing changes, and the caller applies its policy), the step counters, the
 per-step scalars and rounding keys, and the factored second moments' row and
@@ -27,13 +29,13 @@ import torch
 from torch import Tensor
 
 from . import _cabi, _dist, _fused, _native
-from ._options import max_step, options_of
+from ._options import max_step, scalar_options
 from ._state_layout import packed_codes
 
 # Group options a plan may refresh between steps (the kernel's scalars); any
 # other option that changes sends the step down the full path.
 _SCALAR_OPTIONS = ("lr", "betas", "eps", "weight_decay", "maximize")
-# State entries whose in-place changes the jobs depend on (as _fused_many's cache).
+# State entries whose in-place changes the jobs depend on (as _dispatch's cache).
 _WATCHED = ("period", "qblock", "factored", "codebook")
 
 
@@ -63,11 +65,11 @@ def _fields(group: dict) -> tuple:
 
 def _set_opts(opts: _cabi.Opts, group: dict, update_clip: float | None) -> None:
     """Writes a group's scalars, as this step's options, into the kernel's opts."""
-    o = options_of(group, None, maximize=bool(group["maximize"]))
-    opts.lr, opts.beta1, opts.beta2 = o.lr, o.beta1, o.beta2
-    opts.eps, opts.weight_decay = o.eps, o.weight_decay
-    opts.max_step = max_step(o.lr, update_clip)
-    opts.maximize = o.maximize
+    lr, beta1, beta2, eps, weight_decay, maximize = scalar_options(group)
+    opts.lr, opts.beta1, opts.beta2 = lr, beta1, beta2
+    opts.eps, opts.weight_decay = eps, weight_decay
+    opts.max_step = max_step(lr, update_clip)
+    opts.maximize = maximize
 
 
 def _steppable(param: Tensor, grad: Tensor, state: dict) -> bool:
@@ -77,7 +79,7 @@ def _steppable(param: Tensor, grad: Tensor, state: dict) -> bool:
     return (
         not _dist.is_sharded(param)
         and param.numel() > 0
-        and _fused._c_problem(param, grad, state) is None
+        and _fused.c_problem(param, grad, state) is None
         and isinstance(step, Tensor)
         and step.dtype == torch.float32
         and step.device.type == "cpu"
@@ -100,12 +102,13 @@ class StepPlan:
         self._total = sum(e.numel for e in entries)
 
     @classmethod
-    def build(cls, optimizer, active: list, items: list) -> StepPlan | None:
+    def build(cls, groups: list, active: list, items: list) -> StepPlan | None:
         """The plan of the step just taken, or None where it cannot hold one.
 
         Args:
-            optimizer: the Gefen optimizer (its param_groups and state).
-            active: its ``(group, param, label)`` of this step, in order.
+            groups: the param groups the plan covers (their parameters without a
+                gradient must stay so).
+            active: the ``(group, param, label)`` of this step in them, in order.
             items: the ``StepItem`` of each, in the same order.
         """
         lib = _native.load()
@@ -113,12 +116,7 @@ class StepPlan:
             return None
         _cabi.checked_library(lib)
         stepped = {id(p) for _, p, _ in active}
-        absent = [
-            p
-            for g in optimizer.param_groups
-            for p in g["params"]
-            if id(p) not in stepped
-        ]
+        absent = [p for g in groups for p in g["params"] if id(p) not in stepped]
         opts_of: dict[tuple, _cabi.Opts] = {}
         jobs = (_cabi._Job * len(items))()
         keep, entries = [], []
@@ -179,23 +177,23 @@ class StepPlan:
                     label,
                 )
             )
-        groups = []
-        for group in optimizer.param_groups:
+        planned = []
+        for group in groups:
             clips = [
                 (o, clip) for (gid, clip), o in opts_of.items() if gid == id(group)
             ]
-            groups.append(
+            planned.append(
                 (group, group["params"], len(group["params"]), _fields(group), clips)
             )
-        return cls(lib, groups, entries, absent, jobs, keep, list(opts_of.values()))
+        return cls(lib, planned, entries, absent, jobs, keep, list(opts_of.values()))
 
-    def holds(self, optimizer) -> bool:
+    def holds(self, groups: list, state_of: dict) -> bool:
         """Whether this step is the planned one: same groups and options (but the
         scalars), the same parameters with gradients, states and storages."""
-        if len(optimizer.param_groups) != len(self._groups):
+        if len(groups) != len(self._groups):
             return False
         for group, (planned, params, count, fields, _) in zip(
-            optimizer.param_groups, self._groups, strict=True
+            groups, self._groups, strict=True
         ):
             if group is not planned or group["params"] is not params:
                 return False
@@ -204,7 +202,6 @@ class StepPlan:
         for param in self._absent:
             if param.grad is not None:
                 return False
-        state_of = optimizer.state
         for e in self._entries:
             grad, param = e.param.grad, e.param
             if (
@@ -224,11 +221,12 @@ class StepPlan:
                     return False
         return True
 
-    def run(self, optimizer) -> bool | None:
-        """One step of every planned parameter: True when done; False when a
-        gradient is not finite (nothing changed; the optimizer's policy was
-        applied); None when the plan does not hold (nothing changed)."""
-        if not self.holds(optimizer):
+    def run(self, optimizer, groups: list) -> bool | None:
+        """One step of every planned parameter of ``groups`` (the optimizer's):
+        True when done; False when a gradient is not finite (nothing changed; the
+        optimizer's policy was applied); None when the plan does not hold (nothing
+        changed)."""
+        if not self.holds(groups, optimizer.state):
             return None
         for e in self._entries:
             e.job.grad = e.param.grad.data_ptr()

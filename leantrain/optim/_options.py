@@ -15,22 +15,26 @@ live here and only here.
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import _dist
-from ._checks import _as_float
+# _dist's DTensor predicates, from the leaf below it (_dist imports the step's
+# math, which imports this module); the name keeps second_moment_of's text as is.
+from . import _dtensor as _dist
 from .code_rounding import resolved
 from .factored import factor_shape, factors_are_small
 
 __all__ = [
     "AUTO_UPDATE_CLIP",
     "StepOptions",
+    "as_float",
     "max_step",
     "options_of",
     "own_v",
+    "scalar_options",
     "second_moment_of",
     "stochastic_codes_of",
     "update_clip_of",
@@ -55,6 +59,19 @@ def max_step(lr: float, update_clip: float | None) -> float:
         return struct.unpack("f", struct.pack("f", lr * update_clip))[0]
     except OverflowError:  # beyond fp32's range: no fp32 step reaches it
         return math.inf
+
+
+def as_float(value: object, what: str) -> float:
+    """Returns ``value`` as a float; a 1-element tensor is accepted like torch does."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"Tensor {what} must be 1-element, got shape {value.shape}"
+            )
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -108,20 +125,35 @@ class StepOptions:
         return max_step(self.lr, self.update_clip)
 
 
+def scalar_options(group: dict) -> tuple[float, float, float, float, float, bool]:
+    """A group's per-step scalars ``(lr, beta1, beta2, eps, weight_decay,
+    maximize)``, the options a scheduler may change between steps (GefenMuon's
+    AdamW side has no ``maximize``: it never maximizes)."""
+    beta1, beta2 = group["betas"]
+    return (
+        float(group["lr"]),
+        float(beta1),
+        float(beta2),
+        float(group["eps"]),
+        float(group["weight_decay"]),
+        group.get("maximize", False),
+    )
+
+
 def options_of(
     group: dict, state: dict | None = None, *, maximize: bool | None = None
 ) -> StepOptions:
     """The step options of a parameter of ``group`` with ``state``, every "auto"
     resolved. ``maximize``: overrides the group's (GefenMuon's AdamW side has no
     such key and never maximizes)."""
-    beta1, beta2 = group["betas"]
+    lr, beta1, beta2, eps, weight_decay, maximized = scalar_options(group)
     return StepOptions(
-        lr=float(group["lr"]),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(group["eps"]),
-        weight_decay=float(group["weight_decay"]),
-        maximize=group["maximize"] if maximize is None else maximize,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximized if maximize is None else maximize,
         update_clip=update_clip_of(group, state),
         stochastic_rounding=group.get("stochastic_rounding"),
         stochastic_codes=stochastic_codes_of(group, state),
@@ -212,7 +244,7 @@ def update_clip_of(group: dict, state: dict | None = None) -> float | None:
             f"Invalid update_clip: {clip!r}; allowed: 'auto', None or a positive "
             "number (the largest |m_hat / (sqrt(v_hat) + eps)| of an element)"
         )
-    value = _as_float(clip, "update_clip")
+    value = as_float(clip, "update_clip")
     if not 0.0 < value < float("inf"):
         raise ValueError(
             f"Invalid update_clip: {clip!r}; must be positive and finite, or None "

@@ -314,8 +314,8 @@ def test_gefen_steps_through_triton(monkeypatch):
     launches = []
     real = _triton_step.launch
 
-    def counting(jobs):
-        launches.append(real(jobs))
+    def counting(jobs, tables=None):
+        launches.append(real(jobs, tables))
         return launches[-1]
 
     for _ in range(3):
@@ -338,7 +338,7 @@ def test_gefen_steps_through_triton(monkeypatch):
 def test_strided_parameters_step_as_contiguous_twins(monkeypatch):
     """step_many steps a transposed parameter (and gradient) as a contiguous copy
     through the kernels and writes it back: the reference's step of that copy."""
-    from leantrain.optim._fused_many import StepItem, step_many
+    from leantrain.optim._dispatch import StepItem, step_many
 
     monkeypatch.setattr(_triton_step, "serves", lambda device: True)
     torch.manual_seed(4)
