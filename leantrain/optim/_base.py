@@ -16,21 +16,25 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _checks, _dist
+from . import _checks, _dist, _dtensor
 from ._dispatch import StepCache, StepItem, step_many
-from ._fused_plan import StepPlan
+from ._fused_plan import build_plan
+from ._state import state_bits
+from ._state_dict import fresh as _fresh
 
 
 class GefenBase(Optimizer):
     """The shared bookkeeping of :class:`~leantrain.optim.Gefen` and
     :class:`~leantrain.optim.GefenMuon` (not an optimizer of its own).
 
-    A subclass sets ``nonfinite`` ("skip" or "raise") and ``nonfinite_steps`` and
-    gives :meth:`_label` (how an error names a parameter).
+    A subclass sets ``nonfinite`` ("skip" or "raise") and ``nonfinite_steps``,
+    gives :meth:`_label` (how an error names a parameter) and says whether it
+    takes DTensor parameters (``takes_dtensors``: GefenMuon needs whole tensors).
     """
 
     nonfinite: str
     nonfinite_steps: int
+    takes_dtensors = True
 
     @property
     def _steps(self) -> StepCache:
@@ -53,7 +57,8 @@ class GefenBase(Optimizer):
                 index += 1
                 if param.grad is None or param.numel() == 0:
                     continue
-                _checks.check_grad(_dist.local(param.grad), label)
+                grad = _dtensor.local(param.grad) if self.takes_dtensors else param.grad
+                _checks.check_grad(grad, label)
                 active.append((group, param, label))
         return active
 
@@ -64,18 +69,48 @@ class GefenBase(Optimizer):
         tensor). With sharded parameters it is agreed across their ranks (one small
         MIN all_reduce), so every rank skips or steps together.
         """
-        finite = _checks.finite_flags([_dist.local(p.grad) for _, p, _ in active])
-        sharded = [p for _, p, _ in active if _dist.is_sharded(p)]
-        if sharded:
-            # On the parameters' device: NCCL reduces device tensors only.
-            flags = torch.tensor(finite, dtype=torch.float32, device=sharded[0].device)
-            group = _dist.group_of(sharded[0])
-            finite = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
+        if not self.takes_dtensors:
+            finite = _checks.finite_flags([p.grad for _, p, _ in active])
+        else:
+            finite = self._agreed_finite(active)
         for ok, (_, _, label) in zip(finite, active, strict=True):
             if not ok:
                 _checks.reject_nonfinite(self, label)
                 return False
         return True
+
+    def _agreed_finite(self, active: list[tuple[dict, Tensor, object]]) -> list:
+        """The finite flags of possibly sharded gradients, agreed across ranks."""
+        local = _dtensor.local
+        finite = _checks.finite_flags([local(p.grad) for _, p, _ in active])
+        sharded = [p for _, p, _ in active if _dtensor.is_sharded(p)]
+        if sharded:
+            # On the parameters' device: NCCL reduces device tensors only.
+            flags = torch.tensor(finite, dtype=torch.float32, device=sharded[0].device)
+            group = _dist.group_of(sharded[0])
+            finite = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
+        return finite
+
+    def _check_bits(self, active: list[tuple[dict, Tensor, object]]) -> None:
+        """Rejects a group whose ``momentum_bits`` differ from its parameters'
+        existing states. A state checked before with the same bits and codebook
+        is not read again (the step cache keeps the answers of the last step)."""
+        before, checked = self._steps.bits, {}
+        for group, param, label in active:
+            state = self.state[param]
+            bits, codebook = group["momentum_bits"], state.get("codebook")
+            entry = before.get(id(state))
+            if not (entry and entry[0] is state and entry[1:] == (bits, codebook)):
+                if not state or _fresh(state):
+                    continue  # it gets the group's bits
+                if state_bits(state) != bits:
+                    raise ValueError(
+                        f"{label}: its state holds momentum_bits={state_bits(state)} "
+                        f"but its group now says {bits}; momentum_bits cannot change "
+                        "after the first step"
+                    )
+            checked[id(state)] = (state, bits, codebook)
+        self._steps.bits = checked
 
     def _positions(self) -> dict[int, int]:
         """A parameter's fixed position in the optimizer (by ``id``): the seed of
@@ -114,5 +149,5 @@ class GefenBase(Optimizer):
     ) -> None:
         """The full step of ``items`` (the parameters of ``active`` in ``groups``,
         in order) through the one dispatch, then the plan of the next step."""
-        step_many(items, self._steps)
-        self._steps.plan = StepPlan.build(groups, active, items)
+        kinds = step_many(items, self._steps)
+        self._steps.plan = build_plan(groups, active, items, kinds, self._steps.triton)

@@ -74,12 +74,15 @@ class StepCache:
         plan: the steady C plan of the last full step, or None.
         triton: the Triton job tables of the last step, or None.
         layouts: FSDP2 shards' straddle layouts (``_straddle.straddle_layout``).
+        bits: ``id(state) -> (state, momentum_bits, codebook)`` of the states
+            whose momentum width the last step checked against their groups.
     """
 
     checks: dict = field(default_factory=dict)
     plan: object = None
     triton: object = None
     layouts: dict = field(default_factory=dict)
+    bits: dict = field(default_factory=dict)
 
 
 # State entries whose values (not only identity) the cached checks depend on.
@@ -176,7 +179,7 @@ def _layout_only(item: StepItem) -> bool:
     )
 
 
-def step_many(items: Sequence[StepItem], cache: StepCache | None = None) -> None:
+def step_many(items: Sequence[StepItem], cache: StepCache | None = None) -> set[str]:
     """One Gefen step of every item; ``fused_step``'s result on each, bit for bit.
 
     Every item is checked before any is changed (sizes, state layout, seed), so a
@@ -185,6 +188,9 @@ def step_many(items: Sequence[StepItem], cache: StepCache | None = None) -> None
     static kernel job while the state's tensors, the parameter's storage and the
     rounding options stay the same (``_signature``), and the Triton tables while
     the same states step; a changed one is checked afresh.
+
+    Returns:
+        The implementations that took a step ("c", "triton", "torch").
 
     Raises:
         ValueError, TypeError: as ``fused_step`` for the first bad item.
@@ -210,6 +216,7 @@ def step_many(items: Sequence[StepItem], cache: StepCache | None = None) -> None
         _torch_one(item, layout, stochastic, codes_sr, why)
     for param, twin in strided:
         param.copy_(twin)
+    return {kind for kind, taken in by_kind.items() if taken}
 
 
 def _keys(item: StepItem, step: float, stochastic: bool, codes_sr: bool) -> tuple:

@@ -23,13 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._dtensor import dtensor_api, is_dtensor, is_sharded  # noqa: F401 (re-exported)
+from ._dtensor import dtensor_api, is_dtensor, is_sharded, local  # noqa: F401
 from ._sharded import Span, block_window, shared_blocks
-
-
-def local(t: Tensor) -> Tensor:
-    """The rank's local tensor of a DTensor (shares storage), or ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def all_spans(param: Tensor) -> list[Span]:

@@ -1,9 +1,10 @@
 """DTensor predicates, below every other module of ``leantrain.optim``.
 
-Whether a tensor is a DTensor and whether it is split across ranks: ``_options``
-(the "auto" second moment) and ``_dist`` (the collectives) both ask, so the answer
-lives here, importing nothing of leantrain (``_dist`` imports ``_sharded``, which
-imports the step's math and its options).
+Whether a tensor is a DTensor, its local tensor, and whether it is split across
+ranks: ``_options`` (the "auto" second moment), the step's bookkeeping
+(``_base``) and ``_dist`` (the collectives) all ask, so the answers live here,
+importing nothing of leantrain (``_dist`` imports ``_sharded``, which imports the
+step's math and its options).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ def is_dtensor(t: object) -> bool:
     """
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The rank's local tensor of a DTensor (shares storage), or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def dtensor_api():

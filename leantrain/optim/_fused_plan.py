@@ -23,14 +23,16 @@ None without changing anything, and the caller takes the full path.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from . import _cabi, _dist, _fused, _native
+from . import _cabi, _checks, _dist, _fused, _native, _triton_step
 from ._options import max_step, scalar_options
 from ._state_layout import packed_codes
+from .code_rounding import code_key
+from .precision import rounding_key
 
 # Group options a plan may refresh between steps (the kernel's scalars); any
 # other option that changes sends the step down the full path.
@@ -100,6 +102,7 @@ class StepPlan:
         self._keep = keep  # what the jobs point into
         self._opts = opts
         self._total = sum(e.numel for e in entries)
+        self._cpu = True  # every gradient on the CPU (the kernel's tensors)
 
     @classmethod
     def build(cls, groups: list, active: list, items: list) -> StepPlan | None:
@@ -208,7 +211,7 @@ class StepPlan:
                 grad is None
                 or grad.dtype is not e.grad_dtype
                 or grad.layout is not torch.strided
-                or not grad.is_cpu
+                or (not grad.is_cpu if self._cpu else grad.device != param.device)
                 or grad.numel() != e.numel
                 or not grad.is_contiguous()
                 or param.data_ptr() != e.param_ptr
@@ -237,8 +240,139 @@ class StepPlan:
         chunk = _fused.C_CHUNK or _cabi.checked_library(self._lib)
         bad = _cabi.launch(self._lib, self._jobs, chunk, threads, check=True)
         if bad is not None:
-            from ._checks import reject_nonfinite
-
-            reject_nonfinite(optimizer, self._entries[bad].label)
+            _checks.reject_nonfinite(optimizer, self._entries[bad].label)
             return False
         return True
+
+
+def _planned_groups(groups: list, clips_of: dict) -> list:
+    """The plan's record of each group (its params list, their count, its options
+    but the scalars, and the kernel opts of its update clips)."""
+    return [
+        (
+            group,
+            group["params"],
+            len(group["params"]),
+            _fields(group),
+            [(o, clip) for (gid, clip), o in clips_of.items() if gid == id(group)],
+        )
+        for group in groups
+    ]
+
+
+class TritonPlan(StepPlan):
+    """The steady step of parameters that all took the Triton kernels: the same
+    checks as the C plan's (:meth:`StepPlan.holds`), then the non-finite verdict
+    (one read on the host per device, as the full path's), each job's per-step
+    scalars and rounding keys, and the launches on the kept job tables
+    (``_triton_step.Tables``)."""
+
+    def __init__(self, groups, entries, absent, steps, tables) -> None:
+        self._groups = groups
+        self._entries = entries
+        self._absent = absent
+        self._steps = steps  # per entry: (item, layout, stochastic, codes_sr)
+        self._tables = tables
+        self._cpu = False
+
+    @classmethod
+    def build(
+        cls, groups: list, active: list, items: list, tables
+    ) -> TritonPlan | None:
+        """The plan of the Triton step just taken on ``tables``, or None."""
+        if not active or len(active) != len(items) or tables is None:
+            return None
+        stepped = {id(p) for _, p, _ in active}
+        absent = [p for g in groups for p in g["params"] if id(p) not in stepped]
+        entries, steps = [], []
+        for (group, param, label), item in zip(active, items, strict=True):
+            state, step = item.state, item.state.get("step")
+            if item.param is not param or param.numel() == 0:
+                return None  # a contiguous twin, or a shard's local tensor
+            if not (isinstance(step, Tensor) and step.device.type == "cpu"):
+                return None
+            checked = _fused.check_step(
+                param,
+                item.grad,
+                state,
+                item.options.stochastic_rounding,
+                item.seed,
+                item.options.stochastic_codes,
+            )
+            watched = tuple(
+                (state[w], state[w]._version) for w in _WATCHED if w in state
+            )
+            entries.append(
+                _Entry(
+                    param,
+                    state,
+                    None,
+                    param.numel(),
+                    item.grad.dtype,
+                    param.data_ptr(),
+                    tuple(map(id, state.values())),
+                    watched,
+                    label,
+                )
+            )
+            steps.append((group, item, *checked))
+        return cls(_planned_groups(groups, {}), entries, absent, steps, tables)
+
+    def run(self, optimizer, groups: list) -> bool | None:
+        """As :meth:`StepPlan.run`, on the Triton kernels."""
+        if not self.holds(groups, optimizer.state):
+            return None
+        grads = [e.param.grad for e in self._entries]
+        for ok, e in zip(_checks.finite_flags(grads), self._entries, strict=True):
+            if not ok:
+                _checks.reject_nonfinite(optimizer, e.label)
+                return False
+        scalars = {id(g): scalar_options(g) for g in groups}
+        jobs, hypers = [], {}
+        for (group, item, layout, stochastic, codes_sr), grad in zip(
+            self._steps, grads, strict=True
+        ):
+            step = float(item.state["step"]) + 1
+            key = (id(group), item.options, step)
+            hyper = hypers.get(key)
+            if hyper is None:
+                lr, beta1, beta2, eps, wd, maximize = scalars[id(group)]
+                options = replace(
+                    item.options,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=eps,
+                    weight_decay=wd,
+                    maximize=maximize,
+                )
+                hyper = hypers[key] = options.scalars(step)
+            jobs.append(
+                _triton_step.job(
+                    item.param,
+                    grad,
+                    item.state,
+                    hyper,
+                    layout=layout,
+                    stochastic=stochastic,
+                    key=rounding_key(item.seed, int(step)) if stochastic else 0,
+                    code_key=code_key(item.seed, int(step)) if codes_sr else None,
+                    index0=item.index0,
+                )
+            )
+        _triton_step.launch(jobs, self._tables)
+        for e in self._entries:
+            e.state["step"] += 1
+        return True
+
+
+def build_plan(
+    groups: list, active: list, items: list, kinds: set, tables
+) -> StepPlan | None:
+    """The plan of the next steady step after a full one whose parameters all
+    took one implementation (``kinds``), or None (the fallback has no plan)."""
+    if kinds == {"c"}:
+        return StepPlan.build(groups, active, items)
+    if kinds == {"triton"}:
+        return TritonPlan.build(groups, active, items, tables)
+    return None

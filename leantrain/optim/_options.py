@@ -24,16 +24,17 @@ from torch import Tensor
 # _dist's DTensor predicates, from the leaf below it (_dist imports the step's
 # math, which imports this module); the name keeps second_moment_of's text as is.
 from . import _dtensor as _dist
-from .code_rounding import resolved
 from .factored import factor_shape, factors_are_small
 
 __all__ = [
     "AUTO_UPDATE_CLIP",
+    "MOMENTUM_ROUNDINGS",
     "StepOptions",
     "as_float",
     "max_step",
     "options_of",
     "own_v",
+    "resolved",
     "scalar_options",
     "second_moment_of",
     "stochastic_codes_of",
@@ -48,6 +49,11 @@ __all__ = [
 # block's v), and there a clip only cuts the legitimate steps of the loud weights
 # (measured worse: docs/gefen.md, "Update clipping").
 AUTO_UPDATE_CLIP = 1.0
+
+# Gefen's ``momentum_rounding`` option: "auto" is stochastic for 4-bit codes and
+# for 8-bit codes on a weight's own second moment, nearest for other 8-bit codes
+# (:func:`stochastic_codes_of`; docs/gefen.md says why).
+MOMENTUM_ROUNDINGS = ("auto", "nearest", "stochastic")
 
 
 def max_step(lr: float, update_clip: float | None) -> float:
@@ -198,6 +204,25 @@ def second_moment_of(group: dict, param: Tensor, state: dict | None = None) -> s
         and (group["momentum_bits"] == 4 or factors_are_small(*shape))
     )
     return "factored" if factors else "blocks"
+
+
+def resolved(rounding: str, bits: int | None) -> bool:
+    """Whether a group's ``momentum_rounding`` means stochastic codes for ``bits``.
+
+    "auto" is stochastic for 4-bit codes and nearest for 8-bit ones; "stochastic"
+    asks for it with 8-bit codes too (no effect on fp32 momentum).
+
+    Raises:
+        ValueError: ``rounding`` is not one of :data:`MOMENTUM_ROUNDINGS`.
+    """
+    if rounding not in MOMENTUM_ROUNDINGS:
+        raise ValueError(
+            f"Invalid momentum_rounding: {rounding!r}; allowed: 'auto', 'nearest' "
+            "or 'stochastic'"
+        )
+    if bits == 4:
+        return rounding != "nearest"
+    return bits == 8 and rounding == "stochastic"
 
 
 def stochastic_codes_of(group: dict, state: dict | None = None) -> bool:

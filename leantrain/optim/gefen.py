@@ -23,14 +23,14 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from . import _checks, _dist, code_rounding
+from . import _checks, _dist
 from . import _reducible_partition as _partition
 from ._base import GefenBase
 from ._dispatch import StepItem
 from ._first_codebook import learn_first_codebook
-from ._options import options_of, second_moment_of, update_clip_of
+from ._options import options_of, resolved, second_moment_of, update_clip_of
 from ._sharded import new_local_state
-from ._state import check_factored, new_state, state_bits
+from ._state import check_factored, new_state
 from ._state_dict import (
     LazyLabel,
     group_factors,
@@ -183,7 +183,7 @@ class Gefen(GefenBase):
     ) -> None:
         _checks.check_hyperparameters(lr, betas, eps, weight_decay)
         _checks.check_momentum_bits(momentum_bits)
-        code_rounding.resolved(momentum_rounding, momentum_bits)
+        resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
         _checks.check_second_moment(second_moment, partition)
         _checks.check_nonfinite(nonfinite)
@@ -320,18 +320,13 @@ class Gefen(GefenBase):
             return loss
         if self._template_step(active):
             return loss
+        self._check_bits(active)
         any_fresh = False
         for group, param, label in active:
             state = self.state[param]
             if _fresh(state):
                 any_fresh = True
                 continue
-            if state_bits(state) != group["momentum_bits"]:
-                raise ValueError(
-                    f"{label}: its state holds momentum_bits={state_bits(state)} but "
-                    f"its group now says {group['momentum_bits']}; momentum_bits "
-                    "cannot change after the first step"
-                )
             check_factored(
                 state, tuple(param.shape), second_moment_of(group, param, state), label
             )

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from . import _checks, code_rounding
+from . import _checks
 from ._base import GefenBase
 from ._dispatch import StepItem
 from ._first_codebook import learn_first_codebook
@@ -37,8 +37,8 @@ from ._muon_math import (
     newton_schulz_reference,
 )
 from ._muon_state import check_muon_options, check_ns_dtype, load_pre_hook
-from ._options import options_of, stochastic_codes_of, update_clip_of
-from ._state import new_state, state_bits
+from ._options import options_of, resolved, stochastic_codes_of, update_clip_of
+from ._state import new_state
 from ._state_dict import load_post_hook  # the same as Gefen's: install state as saved
 from .gefen import block_period
 from .quant import NearestCode
@@ -96,7 +96,7 @@ class GefenMuon(GefenBase):
             quantization block (``qblock``); for AdamW ones also the second moment's.
         ns_dtype: dtype of the Newton–Schulz iteration; None picks bfloat16 on CUDA
             (Muon's choice, ``torch.optim.Muon``'s bits) and float32 elsewhere
-            (bfloat16 matrix products are 10-80x slower on AVX2 CPUs).
+            (bfloat16 matrix products are much slower on AVX2 CPUs).
         adamw_lr: learning rate of the AdamW side.
         adamw_betas: (beta1, beta2) of the AdamW side.
         adamw_eps: eps of the AdamW side.
@@ -159,7 +159,7 @@ class GefenMuon(GefenBase):
             adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay
         )
         _checks.check_momentum_bits(momentum_bits)
-        code_rounding.resolved(momentum_rounding, momentum_bits)
+        resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
         _checks.check_nonfinite(nonfinite)
         update_clip_of({"momentum_bits": momentum_bits, "update_clip": update_clip})
@@ -188,6 +188,8 @@ class GefenMuon(GefenBase):
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(load_pre_hook)
         self.register_load_state_dict_post_hook(load_post_hook)
+
+    takes_dtensors = False  # Newton-Schulz needs whole matrices (see _add_checked)
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a group; one without ``use_muon`` is split into a Muon and an AdamW
@@ -311,14 +313,7 @@ class GefenMuon(GefenBase):
         active = self._active()
         if not self._all_finite(active):
             return loss
-        for group, param, label in active:
-            state = self.state[param]
-            if state and state_bits(state) != group["momentum_bits"]:
-                raise ValueError(
-                    f"{label}: its state holds momentum_bits={state_bits(state)} but "
-                    f"its group says {group['momentum_bits']}; momentum_bits cannot "
-                    "change after the first step"
-                )
+        self._check_bits(active)
         self._init_states(active)
         # As in Gefen: a parameter's position keys its rounding streams, and
         # momentum_rounding="auto" rounds 4-bit codes stochastically (both sides).

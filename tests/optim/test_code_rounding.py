@@ -15,11 +15,10 @@ import torch
 from _fused_helpers import HYPER, codebook, codes_of, copy_state, random_state
 
 from leantrain.optim import Gefen, _fused, _native, _torch_step
-from leantrain.optim._options import StepOptions
+from leantrain.optim._options import StepOptions, resolved
 from leantrain.optim._step import reference_step
 from leantrain.optim.code_rounding import (
     code_key,
-    resolved,
     stochastic_codes,
     uniform,
 )

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 from _fused_helpers import HYPER, codebook, copy_state, random_state
-from leantrain.optim._dispatch import StepItem, step_many
 
 from leantrain.optim import _cabi, _native
+from leantrain.optim._dispatch import StepItem, step_many
 from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 

@@ -1,5 +1,6 @@
-"""The dispatch's per-state cache (``StepCache.checks``): cached steps == uncached ones, and every change of a
-state's tensors, the parameter's storage or the gradient is seen."""
+"""The dispatch's per-state cache (``StepCache.checks``): cached steps == uncached
+ones, and every change of a state's tensors, the parameter's storage or the
+gradient is seen."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 from _fused_helpers import HYPER, copy_state, random_state
-from leantrain.optim._dispatch import StepCache, StepItem, step_many
 
 from leantrain.optim import Gefen, _native
+from leantrain.optim._dispatch import StepCache, StepItem, step_many
 from leantrain.optim._options import StepOptions
 from leantrain.optim._state import state_bits
 
