@@ -40,6 +40,8 @@ STEADY: dict[str, tuple[str, ...]] = {
         "GefenBase._steps",
         "GefenBase._active",
         "GefenBase._all_finite",
+        "GefenBase._agreed_finite",
+        "GefenBase._check_bits",
         "GefenBase._positions",
         "GefenBase._planned_step",
         "GefenBase._dispatched_step",
@@ -51,6 +53,7 @@ STEADY: dict[str, tuple[str, ...]] = {
         "StepOptions.scalars",
         "options_of",
         "scalar_options",
+        "resolved",
         "own_v",
         "_fresh",
         "second_moment_of",
@@ -59,8 +62,7 @@ STEADY: dict[str, tuple[str, ...]] = {
         "max_step",
     ),
     "optim/_straddle.py": ("straddle_layout",),
-    "optim/_dist.py": ("local",),
-    "optim/_dtensor.py": ("is_dtensor", "is_sharded"),
+    "optim/_dtensor.py": ("local", "is_dtensor", "is_sharded"),
     "optim/_dispatch.py": (
         "StepItem",
         "step_many",
@@ -71,6 +73,8 @@ STEADY: dict[str, tuple[str, ...]] = {
         "_torch_one",
         "_launch_triton",
     ),
+    # the steady CUDA step: the Triton plan on the kept tables
+    "optim/_fused_plan.py": ("StepPlan.holds", "TritonPlan.run", "_fields"),
     "optim/_triton_step.py": (
         "job",
         "grad_fits",
@@ -112,7 +116,6 @@ STEADY: dict[str, tuple[str, ...]] = {
         "stochastic_index",
         "searched_index",
         "uniform",
-        "resolved",
     ),
     "optim/precision.py": ("round_to", "stochastic_round", "random_bits"),
     "optim/_state_layout.py": ("state_layout", "packed_codes"),
@@ -233,6 +236,7 @@ _NONFINITE = (
     "step; one read per step and device"
 )
 _SHARDED = "FSDP2-sharded parameters only: every rank agrees on the verdict"
+_STEP_NUMBER = "the step number, a host float read from the CPU step counter"
 _DCP_INIT = (
     "runs only when every lr is 0 and every state is fresh (DCP's state "
     "initialisation), never in a steady step"
@@ -241,8 +245,10 @@ _DCP_INIT = (
 # (file, function, call) -> why it stays in a steady step.
 HOST_READS: dict[tuple[str, str, str], str] = {
     # optim
-    ("optim/_base.py", "GefenBase._all_finite", "bool()"): _SHARDED,
-    ("optim/_base.py", "GefenBase._all_finite", "torch.tensor(device=)"): _SHARDED,
+    ("optim/_base.py", "GefenBase._agreed_finite", "bool()"): _SHARDED,
+    ("optim/_base.py", "GefenBase._agreed_finite", "torch.tensor(device=)"): _SHARDED,
+    ("optim/_fused_plan.py", "TritonPlan.run", "float()"): _CPU_STATE,
+    ("optim/_fused_plan.py", "TritonPlan.run", "int()"): _STEP_NUMBER,
     ("optim/gefen.py", "Gefen._template_step", "float()"): _OPTION,
     ("optim/gefen.py", "Gefen._template_step", "bool()"): _DCP_INIT,
     ("optim/gefen.py", "Gefen._template_step", "torch.tensor(device=)"): _DCP_INIT,
@@ -254,7 +260,7 @@ HOST_READS: dict[tuple[str, str, str], str] = {
     ),
     ("optim/_state_dict.py", "fresh", "int()"): _CPU_STATE,
     ("optim/_straddle.py", "straddle_layout", "int()"): _CPU_STATE,
-    ("optim/_dispatch.py", "_keys", "int()"): "the step number, a host float",
+    ("optim/_dispatch.py", "_keys", "int()"): _STEP_NUMBER,
     ("optim/_dispatch.py", "_torch_one", "float()"): _CPU_STATE,
     ("optim/_dispatch.py", "_launch_triton", "float()"): _CPU_STATE,
     ("optim/_fused.py", "fused_step", "float()"): _CPU_STATE,

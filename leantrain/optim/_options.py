@@ -4,12 +4,14 @@ one place where the "auto" options are resolved.
 :class:`StepOptions` holds the hyper-parameters of one parameter's step, already
 resolved (no "auto" left): the reference oracle (``_step.reference_step``), the
 fused step (``_fused.fused_step``: C kernel, Triton kernels or the chunked PyTorch
-fallback), ``_fused_many.step_many`` and the cached C plan (``_fused_plan``) all
-read them from here, and :meth:`StepOptions.scalars` derives the per-step scalars
-they share. :func:`options_of` turns a param group (Gefen's or GefenMuon's AdamW
-side) and a parameter's state into one; the three "auto" rules
-(:func:`second_moment_of`, :func:`stochastic_codes_of`, :func:`update_clip_of`)
-live here and only here.
+fallback), the dispatch (``_dispatch.step_many``) and the cached plans
+(``_fused_plan``) all read them from here, and :meth:`StepOptions.scalars` derives
+the per-step scalars they share (:func:`scalar_options`: the group's options a
+scheduler may change). :func:`options_of` turns a param group (Gefen's or
+GefenMuon's AdamW side) and a parameter's state into one; the "auto" rules
+(:func:`second_moment_of`, :func:`stochastic_codes_of` with :func:`resolved`,
+:func:`update_clip_of`) live here and only here, with :func:`as_float`, the
+options' number check.
 """
 
 from __future__ import annotations

@@ -444,6 +444,51 @@ def test_the_triton_plan_steps_as_the_full_path(bits, monkeypatch):
     assert plan.run(opts[0], opts[0].param_groups) is None
 
 
+@interpreter
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_steady_triton_step_reads_one_device_value(policy, monkeypatch):
+    """A CUDA-free count of the host's reads of device values in a steady Triton
+    step (``.item()``, ``.tolist()``, ``bool``/``float``/``int`` of a tensor, called
+    from leantrain/optim), leaving out the state's CPU scalars (step counters,
+    periods): one, the non-finite verdict, under either policy. (A "skip" that
+    decides on the device, with no read, is not built yet.)"""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    monkeypatch.setattr(_triton_step, "serves", lambda device: True)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Linear(16, 3))
+    opt = Gefen(model.parameters(), nonfinite=policy, second_moment="factored")
+    x = torch.randn(8, 12)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    host = {id(t) for s in opt.state.values() for k, t in s.items() if t.numel() == 1}
+    optim = Path(_triton_step.__file__).resolve().parent
+    reads = []
+
+    def counted(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(t, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if Path(caller.co_filename).parent == optim and id(t) not in host:
+                reads.append((Path(caller.co_filename).name, caller.co_name, name))
+            return real(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        counted(name)
+    opt.step()
+    monkeypatch.undo()
+    assert reads == [("_checks.py", "finite_flags", "tolist")], reads
+
+
 _WITHOUT_TRITON = """
 import sys
 
