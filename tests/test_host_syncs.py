@@ -33,12 +33,18 @@ from tests._helpers.source_scan import ROOT, assert_listed, parse, scoped_nodes
 # file under leantrain/ -> the functions and classes a steady step runs.
 STEADY: dict[str, tuple[str, ...]] = {
     # Gefen and GefenMuon on CUDA: the full step (the cached C-kernel plan is for
-    # the CPU), the chunked PyTorch update and what it calls.
-    "optim/gefen.py": (
-        "Gefen.step",
-        "Gefen._active",
-        "Gefen._all_finite",
-        "Gefen._template_step",
+    # the CPU), the dispatch, the Triton step's host side, the chunked PyTorch
+    # update and what they call.
+    "optim/gefen.py": ("Gefen.step", "Gefen._label", "Gefen._template_step"),
+    "optim/_base.py": (
+        "GefenBase._steps",
+        "GefenBase._active",
+        "GefenBase._all_finite",
+        "GefenBase._agreed_finite",
+        "GefenBase._check_bits",
+        "GefenBase._positions",
+        "GefenBase._planned_step",
+        "GefenBase._dispatched_step",
     ),
     "optim/_checks.py": ("finite_flags", "is_finite", "check_grad"),
     "optim/_state_dict.py": ("LazyLabel", "fresh", "group_factors"),
@@ -46,6 +52,8 @@ STEADY: dict[str, tuple[str, ...]] = {
         "StepOptions",
         "StepOptions.scalars",
         "options_of",
+        "scalar_options",
+        "resolved",
         "own_v",
         "_fresh",
         "second_moment_of",
@@ -54,16 +62,38 @@ STEADY: dict[str, tuple[str, ...]] = {
         "max_step",
     ),
     "optim/_straddle.py": ("straddle_layout",),
-    "optim/_dist.py": ("local", "is_sharded"),
-    "optim/_fused_many.py": ("StepItem", "step_many", "_checked", "_signature"),
+    "optim/_dtensor.py": ("local", "is_dtensor", "is_sharded"),
+    "optim/_dispatch.py": (
+        "StepItem",
+        "step_many",
+        "_checked",
+        "_signature",
+        "_layout_only",
+        "_keys",
+        "_torch_one",
+        "_launch_triton",
+    ),
+    # the steady CUDA step: the Triton plan on the kept tables
+    "optim/_fused_plan.py": ("StepPlan.holds", "TritonPlan.run", "_fields"),
+    "optim/_triton_step.py": (
+        "job",
+        "grad_fits",
+        "launch",
+        "_launch",
+        "_launch_factored",
+        "_fill",
+        "_upload",
+        "_signed",
+    ),
     "optim/_fused.py": (
         "fused_step",
+        "implementation",
         "check_step",
         "advance_factors",
+        "torch_fallback",
     ),
     "optim/_torch_step.py": (
         "torch_step",
-        "chunk_function",
         "_chunk",
         "_big_block",
         "_momentum",
@@ -86,7 +116,6 @@ STEADY: dict[str, tuple[str, ...]] = {
         "stochastic_index",
         "searched_index",
         "uniform",
-        "resolved",
     ),
     "optim/precision.py": ("round_to", "stochastic_round", "random_bits"),
     "optim/_state_layout.py": ("state_layout", "packed_codes"),
@@ -207,6 +236,7 @@ _NONFINITE = (
     "step; one read per step and device"
 )
 _SHARDED = "FSDP2-sharded parameters only: every rank agrees on the verdict"
+_STEP_NUMBER = "the step number, a host float read from the CPU step counter"
 _DCP_INIT = (
     "runs only when every lr is 0 and every state is fresh (DCP's state "
     "initialisation), never in a steady step"
@@ -215,8 +245,10 @@ _DCP_INIT = (
 # (file, function, call) -> why it stays in a steady step.
 HOST_READS: dict[tuple[str, str, str], str] = {
     # optim
-    ("optim/gefen.py", "Gefen._all_finite", "bool()"): _SHARDED,
-    ("optim/gefen.py", "Gefen._all_finite", "torch.tensor(device=)"): _SHARDED,
+    ("optim/_base.py", "GefenBase._agreed_finite", "bool()"): _SHARDED,
+    ("optim/_base.py", "GefenBase._agreed_finite", "torch.tensor(device=)"): _SHARDED,
+    ("optim/_fused_plan.py", "TritonPlan.run", "float()"): _CPU_STATE,
+    ("optim/_fused_plan.py", "TritonPlan.run", "int()"): _STEP_NUMBER,
     ("optim/gefen.py", "Gefen._template_step", "float()"): _OPTION,
     ("optim/gefen.py", "Gefen._template_step", "bool()"): _DCP_INIT,
     ("optim/gefen.py", "Gefen._template_step", "torch.tensor(device=)"): _DCP_INIT,
@@ -228,6 +260,9 @@ HOST_READS: dict[tuple[str, str, str], str] = {
     ),
     ("optim/_state_dict.py", "fresh", "int()"): _CPU_STATE,
     ("optim/_straddle.py", "straddle_layout", "int()"): _CPU_STATE,
+    ("optim/_dispatch.py", "_keys", "int()"): _STEP_NUMBER,
+    ("optim/_dispatch.py", "_torch_one", "float()"): _CPU_STATE,
+    ("optim/_dispatch.py", "_launch_triton", "float()"): _CPU_STATE,
     ("optim/_fused.py", "fused_step", "float()"): _CPU_STATE,
     ("optim/_fused.py", "fused_step", "int()"): _CPU_STATE,
     ("optim/_fused.py", "advance_factors", "int()"): _CPU_STATE,
@@ -241,7 +276,7 @@ HOST_READS: dict[tuple[str, str, str], str] = {
     ("optim/_torch_step.py", "torch_step", "int()"): _CPU_STATE,
     ("optim/_options.py", "own_v", "int()"): _CPU_STATE,
     ("optim/_options.py", "_fresh", "int()"): _CPU_STATE,
-    ("optim/_options.py", "options_of", "float()"): _OPTION,
+    ("optim/_options.py", "scalar_options", "float()"): _OPTION,
     ("optim/factored.py", "denominator_factors", "torch.tensor(device=)"): (
         "only with a host float cbar (the reference step); the steady step passes "
         "column_mean's tensor"

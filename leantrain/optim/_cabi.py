@@ -208,7 +208,7 @@ def c_job(
     static: tuple[_Job, tuple] | None = None,
 ) -> _Job:
     """The kernel's description of one parameter's step (tensors already checked
-    by :func:`_c_problem` and ``state_layout``). Its scalars live in ``interned``
+    by ``_fused.c_problem`` and ``state_layout``). Its scalars live in ``interned``
     (one object per distinct value: parameters of a group share them), which the
     caller keeps, with the tensors, until :func:`launch` returns. ``hyper``: the
     dict of ``_fused.hyperparameters`` or its values in ``_Hyper``'s field order;

@@ -18,57 +18,13 @@ ranks are known without communication.
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._dtensor import dtensor_api, is_dtensor, is_sharded, local  # noqa: F401
 from ._sharded import Span, block_window, shared_blocks
-
-
-def is_dtensor(t: object) -> bool:
-    """True for a DTensor (FSDP2 parameters and gradients).
-
-    A DTensor exists only once ``torch.distributed.tensor`` is imported, so this
-    module never imports it itself (that import costs seconds at start-up).
-    """
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def dtensor_api():
-    """``torch.distributed.tensor`` (DTensor, Shard, Replicate), imported on use."""
-    import torch.distributed.tensor as api
-
-    return api
-
-
-def local(t: Tensor) -> Tensor:
-    """The rank's local tensor of a DTensor (shares storage), or ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def _check_layout(param: Tensor) -> None:
-    api = dtensor_api()
-    mesh, placements = param.device_mesh, tuple(param.placements)
-    allowed = ((api.Shard(0),), (api.Replicate(),))
-    ok = mesh.ndim == 1 and placements in allowed
-    if not ok:
-        raise ValueError(
-            f"Gefen supports DTensor parameters on a 1-D mesh with placements "
-            f"(Shard(dim=0),) (FSDP2) or (Replicate(),); got mesh shape "
-            f"{tuple(mesh.shape)} and placements {placements}"
-        )
-
-
-def is_sharded(param: Tensor) -> bool:
-    """True when ``param`` is a DTensor split across ranks (Shard(0))."""
-    if not is_dtensor(param):
-        return False
-    _check_layout(param)
-    shard0 = (dtensor_api().Shard(0),)
-    return tuple(param.placements) == shard0 and param.device_mesh.size() > 1
 
 
 def all_spans(param: Tensor) -> list[Span]:

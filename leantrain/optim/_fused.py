@@ -1,29 +1,30 @@
-r"""Gefen's fast step: the fused C kernel on CPU, a chunked PyTorch path elsewhere.
+r"""Gefen's step implementations and the one check that picks among them.
 
-:func:`fused_step` takes exactly the arguments of ``_step.reference_step`` and
-computes the same update (docs/CONTRACTS.md, "Gefen state"), with temporaries
-bounded by a chunk, never by the parameter:
+:func:`implementation` is the dispatch's one check: from the tensors' device,
+dtype and layout it names the implementation that steps a parameter, and why a
+CUDA parameter falls back (``_dispatch.step_many`` caches its answer per state;
+:func:`fused_step` asks it for one parameter):
 
-* **"c"** — fp32 or bf16 parameter and gradient on the CPU, contiguous, with
-  qblock == period (or period 1): one call into ``_kernels/gefen_step.c``, threads
-  over blocks, one pass over g and the codes per block (see the C file's header;
-  the ctypes side is ``_cabi``, and ``_fused_many.step_many`` steps all of a
-  step's parameters in one call).
-* **"triton"** — CUDA tensors (``_triton_step``: Triton kernels over a table
-  of parameters; ``_fused_many.step_many`` steps all of a step's CUDA parameters
-  in a few launches), for every option but those :func:`gpu_problem` names.
+* **"c"** — fp32 or bf16 parameter and gradient on the CPU, contiguous, fp32
+  state: ``_kernels/gefen_step.c`` through :func:`c_step` (one parameter) or
+  ``_cabi.launch`` (all of a step's; see the C file's header).
+* **"triton"** — CUDA tensors the Triton kernels cover (``_triton_step``: a few
+  launches for all of a step's parameters).
 * **"torch"** — everything else (fp16 on the CPU, no compiler,
-  ``LEANTRAIN_NO_NATIVE=1``, CUDA tensors the Triton step does not cover): the
-  same math in plain tensor ops over chunks of whole blocks (two passes over
-  sub-chunks for a block longer than a chunk). On CUDA the chunk function is
-  ``torch.compile``'d.
+  ``LEANTRAIN_NO_NATIVE=1``, CUDA without triton or a case the kernels do not
+  cover): the same math in plain eager tensor ops over chunks of whole blocks
+  (``_torch_step``; no ``torch.compile`` anywhere). On CUDA a one-time warning
+  names why.
 
-Both paths quantize with the same rule, the reference's (``quant.NearestCode``):
-with distinct codebook values :math:`u_0 < \dots < u_{U-1}` and exact midpoints
+The reference oracle (``_step.reference_step``) is the fourth implementation: the
+readable one, which parity tests hold every other to.
+
+All quantize with the reference's rule (``quant.NearestCode``): with distinct
+codebook values :math:`u_0 < \dots < u_{U-1}` and exact midpoints
 :math:`\mu_j = (u_j + u_{j+1})/2`, the value index is
 :math:`k = \#\{j: \mu_j < x\}` (a tie goes to the lower value) and the code is
 the lowest code holding :math:`u_k` (see ``_quant_table``). Given the same momentum
-the two paths store identical codes.
+they store identical codes.
 """
 
 from __future__ import annotations
@@ -58,15 +59,15 @@ def backend() -> str:
 
 
 # Parameter and gradient dtypes the C kernel reads and writes itself.
-_C_DTYPES = (torch.float32, torch.bfloat16)
+C_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def c_takes(name: str, t: Tensor) -> str | None:
     """Why the C kernel cannot read or write parameter or gradient ``t`` (None: it
-    can). ``_fused_many`` asks it of each new gradient of a cached parameter."""
+    can). ``_dispatch`` asks it of each new gradient of a cached parameter."""
     if t.layout != torch.strided:
         return f"{name}: the C kernel needs a dense tensor, got layout {t.layout}"
-    if t.dtype not in _C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
+    if t.dtype not in C_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
         return (
             f"{name}: the C kernel needs a contiguous fp32 or bf16 CPU tensor, "
             f"got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
@@ -74,11 +75,9 @@ def c_takes(name: str, t: Tensor) -> str | None:
     return None
 
 
-def _c_problem(param: Tensor, grad: Tensor, state: dict) -> str | None:
-    """Why the C kernel cannot take these tensors (None: it can): the one
-    eligibility check of the C kernel. ``fused_step`` picks its path with it,
-    ``c_step`` turns the answer into its ValueError, ``_fused_many`` caches it per
-    state and ``_fused_plan`` builds on it."""
+def c_problem(param: Tensor, grad: Tensor, state: dict) -> str | None:
+    """Why the C kernel cannot take these tensors (None: it can): the C half of
+    :func:`implementation`; ``c_step`` turns the answer into its ValueError."""
     for name, t in (("param", param), ("grad", grad)):
         if (why := c_takes(name, t)) is not None:
             return why
@@ -107,15 +106,28 @@ def _c_problem(param: Tensor, grad: Tensor, state: dict) -> str | None:
     return None
 
 
-def gpu_problem(
+Implementation = str  # "c", "triton" or "torch"
+
+
+def implementation(
     param: Tensor, grad: Tensor, state: dict, stochastic: bool
-) -> str | None:
-    """Why the Triton step does not take these tensors (None: it does): the one
-    check of the GPU dispatch, for ``fused_step`` and ``_fused_many.step_many``.
-    Only CUDA tensors go there (the CPU has the C kernel or the fallback)."""
-    if not _triton_step.serves(param.device):
-        return f"tensors on {param.device}"
-    return _triton_step.problem(param, grad, state, stochastic)
+) -> tuple[Implementation, str | None]:
+    """The implementation that steps these tensors, and why a CUDA parameter takes
+    the fallback (None otherwise): the dispatch's one check. ``stochastic``: the
+    parameter is rounded stochastically.
+
+    CPU tensors take the C kernel where :func:`c_problem` finds nothing (and the
+    library loads), CUDA tensors the Triton kernels where
+    ``_triton_step.problem`` finds nothing; the rest the eager fallback. Tests
+    send CPU tensors to the Triton kernels (Triton's interpreter) by patching
+    ``_triton_step.serves``.
+    """
+    if _triton_step.serves(param.device):
+        why = _triton_step.problem(param, grad, state, stochastic)
+        return ("triton", None) if why is None else ("torch", why)
+    if _native.load() is not None and c_problem(param, grad, state) is None:
+        return "c", None
+    return "torch", None
 
 
 def c_step(
@@ -145,7 +157,7 @@ def c_step(
     column-factor mean when the caller already advanced its factors (None: the
     kernel's first phase advances them from ``grad``). ``lib`` is the loaded library
     (default: :func:`_native.load`); ``checked`` says the caller already had
-    :func:`_c_problem` accept these tensors (``fused_step``: one check per step).
+    :func:`c_problem` accept these tensors (``fused_step``: one check per step).
 
     Raises:
         ValueError: a tensor of the wrong dtype, device, layout or size (checked
@@ -161,7 +173,7 @@ def c_step(
     if grad.numel() != n:
         raise ValueError(f"grad has {grad.numel()} elements, param {n}")
     if not checked:
-        problem = _c_problem(param, grad, state)
+        problem = c_problem(param, grad, state)
         if problem is not None:
             raise ValueError(problem)
     max_chunk = _cabi.checked_library(lib)
@@ -289,27 +301,43 @@ def fused_step(
     key = rounding_key(seed, int(state["step"])) if stochastic else 0
     ckey = code_key(seed, int(state["step"])) if codes_sr else None
     hyper = o.scalars(float(state["step"]))
-    lib = _native.load()
-    where = dict(layout=layout, stochastic=stochastic, key=key, code_key=ckey)
-    if lib is not None and _c_problem(param, grad, state) is None:
-        c_step(
-            param, grad, state, hyper, **where, index0=index0, lib=lib, checked=True
-        )  # the kernel advances a factored state's factors itself
-    elif (why := gpu_problem(param, grad, state, stochastic)) is None:
-        job = _triton_step.job(param, grad, state, hyper, **where, index0=index0)
-        _triton_step.launch([job])  # the kernels advance the factors themselves
+    kind, why = implementation(param, grad, state, stochastic)
+    where = dict(stochastic=stochastic, key=key, code_key=ckey, index0=index0)
+    if kind == "c":  # the kernel advances a factored state's factors itself
+        c_step(param, grad, state, hyper, layout=layout, checked=True, **where)
+    elif kind == "triton":  # the kernels advance the factors themselves
+        job = _triton_step.job(param, grad, state, hyper, layout=layout, **where)
+        _triton_step.launch([job])
     else:
-        if param.device.type == "cuda":
-            _triton_step.warn_fallback(why)
-        cbar = advance_factors(grad, state, o.beta2)
-        torch_step(
-            param,
-            grad,
-            state,
-            hyper,
-            stochastic=stochastic,
-            key=key,
-            code_key=ckey,
-            index0=index0,
-            cbar=cbar,
-        )
+        torch_fallback(param, grad, state, hyper, o.beta2, why, **where)
+
+
+def torch_fallback(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    hyper: dict[str, float],
+    beta2: float,
+    why: str | None,
+    *,
+    stochastic: bool,
+    key: int,
+    code_key: int | None,
+    index0: int,
+) -> None:
+    """The "torch" implementation of one parameter's step (``state['step']``
+    already advanced); ``why``: the reason a CUDA parameter is here, warned once."""
+    if why is not None:
+        _triton_step.warn_fallback(why)
+    cbar = advance_factors(grad, state, beta2)
+    torch_step(
+        param,
+        grad,
+        state,
+        hyper,
+        stochastic=stochastic,
+        key=key,
+        code_key=code_key,
+        index0=index0,
+        cbar=cbar,
+    )

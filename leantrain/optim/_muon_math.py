@@ -102,7 +102,7 @@ def newton_schulz(
         eps: floor of the Frobenius norm (a zero matrix stays zero).
         dtype: the dtype of the iteration. bfloat16 is Muon's choice on GPUs and
             matches ``torch.optim.Muon`` bit for bit; on CPUs without native
-            bfloat16 GEMMs float32 is 10-80x faster.
+            bfloat16 GEMMs float32 is much faster.
 
     Returns:
         The orthogonalized matrix, shape and dtype of G.
@@ -191,8 +191,8 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 def default_ns_dtype(device: torch.device) -> torch.dtype:
-    # bfloat16 GEMMs are fast on GPUs; on AVX2 CPUs they are 10-80x slower than
-    # float32 (measured on this project's machines), so CPUs iterate in float32.
+    # bfloat16 GEMMs are fast on GPUs; on AVX2 CPUs they are far slower than
+    # float32 (CHANGELOG.md has the timings), so CPUs iterate in float32.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _checks
 from ._muon_math import ADJUST_LR_FNS, check_ns_arguments
+from ._options import as_float
 from ._state import check_state, num_blocks
 from ._state_dict import group_pairs
 
@@ -32,11 +32,11 @@ def check_muon_options(
     adjust_lr_fn: object,
 ) -> None:
     """Checks Muon's options with torch.optim's wording, naming the value."""
-    if not 0.0 <= _checks._as_float(lr, "lr"):
+    if not 0.0 <= as_float(lr, "lr"):
         raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= _checks._as_float(weight_decay, "weight_decay"):
+    if not 0.0 <= as_float(weight_decay, "weight_decay"):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not 0.0 <= _checks._as_float(momentum, "momentum") < 1.0:
+    if not 0.0 <= as_float(momentum, "momentum") < 1.0:
         raise ValueError(f"Invalid momentum value: {momentum}; allowed: [0, 1)")
     if not isinstance(nesterov, bool):
         raise TypeError(f"nesterov must be a bool, got {nesterov!r}")

@@ -4,33 +4,40 @@ one place where the "auto" options are resolved.
 :class:`StepOptions` holds the hyper-parameters of one parameter's step, already
 resolved (no "auto" left): the reference oracle (``_step.reference_step``), the
 fused step (``_fused.fused_step``: C kernel, Triton kernels or the chunked PyTorch
-fallback), ``_fused_many.step_many`` and the cached C plan (``_fused_plan``) all
-read them from here, and :meth:`StepOptions.scalars` derives the per-step scalars
-they share. :func:`options_of` turns a param group (Gefen's or GefenMuon's AdamW
-side) and a parameter's state into one; the three "auto" rules
-(:func:`second_moment_of`, :func:`stochastic_codes_of`, :func:`update_clip_of`)
-live here and only here.
+fallback), the dispatch (``_dispatch.step_many``) and the cached plans
+(``_fused_plan``) all read them from here, and :meth:`StepOptions.scalars` derives
+the per-step scalars they share (:func:`scalar_options`: the group's options a
+scheduler may change). :func:`options_of` turns a param group (Gefen's or
+GefenMuon's AdamW side) and a parameter's state into one; the "auto" rules
+(:func:`second_moment_of`, :func:`stochastic_codes_of` with :func:`resolved`,
+:func:`update_clip_of`) live here and only here, with :func:`as_float`, the
+options' number check.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import _dist
-from ._checks import _as_float
-from .code_rounding import resolved
+# _dist's DTensor predicates, from the leaf below it (_dist imports the step's
+# math, which imports this module); the name keeps second_moment_of's text as is.
+from . import _dtensor as _dist
 from .factored import factor_shape, factors_are_small
 
 __all__ = [
     "AUTO_UPDATE_CLIP",
+    "MOMENTUM_ROUNDINGS",
     "StepOptions",
+    "as_float",
     "max_step",
     "options_of",
     "own_v",
+    "resolved",
+    "scalar_options",
     "second_moment_of",
     "stochastic_codes_of",
     "update_clip_of",
@@ -45,6 +52,11 @@ __all__ = [
 # (measured worse: docs/gefen.md, "Update clipping").
 AUTO_UPDATE_CLIP = 1.0
 
+# Gefen's ``momentum_rounding`` option: "auto" is stochastic for 4-bit codes and
+# for 8-bit codes on a weight's own second moment, nearest for other 8-bit codes
+# (:func:`stochastic_codes_of`; docs/gefen.md says why).
+MOMENTUM_ROUNDINGS = ("auto", "nearest", "stochastic")
+
 
 def max_step(lr: float, update_clip: float | None) -> float:
     """The largest step of one element, ``lr * update_clip`` rounded to fp32 once
@@ -55,6 +67,19 @@ def max_step(lr: float, update_clip: float | None) -> float:
         return struct.unpack("f", struct.pack("f", lr * update_clip))[0]
     except OverflowError:  # beyond fp32's range: no fp32 step reaches it
         return math.inf
+
+
+def as_float(value: object, what: str) -> float:
+    """Returns ``value`` as a float; a 1-element tensor is accepted like torch does."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"Tensor {what} must be 1-element, got shape {value.shape}"
+            )
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -108,20 +133,35 @@ class StepOptions:
         return max_step(self.lr, self.update_clip)
 
 
+def scalar_options(group: dict) -> tuple[float, float, float, float, float, bool]:
+    """A group's per-step scalars ``(lr, beta1, beta2, eps, weight_decay,
+    maximize)``, the options a scheduler may change between steps (GefenMuon's
+    AdamW side has no ``maximize``: it never maximizes)."""
+    beta1, beta2 = group["betas"]
+    return (
+        float(group["lr"]),
+        float(beta1),
+        float(beta2),
+        float(group["eps"]),
+        float(group["weight_decay"]),
+        group.get("maximize", False),
+    )
+
+
 def options_of(
     group: dict, state: dict | None = None, *, maximize: bool | None = None
 ) -> StepOptions:
     """The step options of a parameter of ``group`` with ``state``, every "auto"
     resolved. ``maximize``: overrides the group's (GefenMuon's AdamW side has no
     such key and never maximizes)."""
-    beta1, beta2 = group["betas"]
+    lr, beta1, beta2, eps, weight_decay, maximized = scalar_options(group)
     return StepOptions(
-        lr=float(group["lr"]),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(group["eps"]),
-        weight_decay=float(group["weight_decay"]),
-        maximize=group["maximize"] if maximize is None else maximize,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximized if maximize is None else maximize,
         update_clip=update_clip_of(group, state),
         stochastic_rounding=group.get("stochastic_rounding"),
         stochastic_codes=stochastic_codes_of(group, state),
@@ -168,6 +208,25 @@ def second_moment_of(group: dict, param: Tensor, state: dict | None = None) -> s
     return "factored" if factors else "blocks"
 
 
+def resolved(rounding: str, bits: int | None) -> bool:
+    """Whether a group's ``momentum_rounding`` means stochastic codes for ``bits``.
+
+    "auto" is stochastic for 4-bit codes and nearest for 8-bit ones; "stochastic"
+    asks for it with 8-bit codes too (no effect on fp32 momentum).
+
+    Raises:
+        ValueError: ``rounding`` is not one of :data:`MOMENTUM_ROUNDINGS`.
+    """
+    if rounding not in MOMENTUM_ROUNDINGS:
+        raise ValueError(
+            f"Invalid momentum_rounding: {rounding!r}; allowed: 'auto', 'nearest' "
+            "or 'stochastic'"
+        )
+    if bits == 4:
+        return rounding != "nearest"
+    return bits == 8 and rounding == "stochastic"
+
+
 def stochastic_codes_of(group: dict, state: dict | None = None) -> bool:
     """Whether a param group's codes are rounded stochastically for a parameter
     with ``state`` (a group loaded from a checkpoint older than
@@ -212,7 +271,7 @@ def update_clip_of(group: dict, state: dict | None = None) -> float | None:
             f"Invalid update_clip: {clip!r}; allowed: 'auto', None or a positive "
             "number (the largest |m_hat / (sqrt(v_hat) + eps)| of an element)"
         )
-    value = _as_float(clip, "update_clip")
+    value = as_float(clip, "update_clip")
     if not 0.0 < value < float("inf"):
         raise ValueError(
             f"Invalid update_clip: {clip!r}; must be positive and finite, or None "

@@ -51,7 +51,7 @@ def chunk_length(block: int) -> int:
     return max(1, CHUNK_ELEMENTS // unit) * unit
 
 
-# NearestCode builds a lookup table (~1 ms for 256 codes); codebooks are frozen, so
+# NearestCode builds a lookup table (host work per build); codebooks are frozen, so
 # the few live ones are kept, keyed by identity (the entry holds the tensor, so its
 # id cannot be reused while cached).
 _NEAREST: dict[int, tuple[Tensor, NearestCode]] = {}

@@ -2,7 +2,8 @@
 
 Used where neither the C kernel nor the Triton step (``_triton_step``, CUDA) is:
 fp16 on the CPU, non-contiguous tensors, no compiler, ``LEANTRAIN_NO_NATIVE=1``, CUDA
-tensors with an option the Triton step does not cover yet. Same math and
+tensors where triton is missing or the Triton step does not cover a case (then
+``_triton_step.warn_fallback`` says why, once). Same math and
 roundings as the kernel (``_kernels/gefen_step.c``) and the reference
 (``_step.reference_step``); temporaries are ~120 bytes per element of one chunk of
 ``TORCH_CHUNK`` elements, whatever the parameter's size. A chunk is a run of
@@ -10,11 +11,12 @@ whole blocks starting on an even element (so 4-bit code pairs never straddle two
 chunks); a block longer than a chunk is done in two passes over sub-chunks (stats,
 then quantize and update), recomputing the momentum rather than storing it.
 
-On CUDA the chunk function is compiled with ``torch.compile`` (Triton).
+It runs eagerly on every device, ``torch.compile`` included nowhere: a chunk is a
+dozen batched tensor ops over up to ``TORCH_CHUNK`` elements, so the launches per
+step grow with the parameter count divided by the chunk, not with its elements.
 
-Why it exists: machines without a C compiler, and tensors the kernel does not take
-(fp16, non-contiguous); compiled, it is the GPU step for what the Triton step
-does not cover yet (and without triton).
+Why it exists: machines without a C compiler, tensors the kernel does not take
+(fp16, non-contiguous), and CUDA without triton.
 """
 
 from __future__ import annotations
@@ -105,21 +107,15 @@ def _quantize(
 
 def _ema(v: Tensor, x: Tensor, h: dict) -> None:
     """v = beta2 * v + (1 - beta2) * x, rounded like the reference's
-    ``add_(x, alpha=...)`` (a fused multiply-add); with 0-dim tensor scalars (the
-    compiled CUDA path) as a plain multiply and add."""
-    v.mul_(h["beta2"])
-    if isinstance(h["omb2"], Tensor):
-        v.add_(x * h["omb2"])
-    else:
-        v.add_(x, alpha=h["omb2"])
+    ``add_(x, alpha=...)`` (a fused multiply-add)."""
+    v.mul_(h["beta2"]).add_(x, alpha=h["omb2"])
 
 
 def _clipped(step: Tensor, h: dict) -> Tensor:
-    """Each element's step clipped to ``h["max_step"]`` (fp32, or a 0-dim tensor
-    on the compiled path, where clamping with inf is fused and free; inf without a
-    clip: eager, no pass at all). NaN goes through, as in the reference."""
+    """Each element's step clipped to ``h["max_step"]`` (fp32; inf without a clip:
+    no pass at all). NaN goes through, as in the reference."""
     bound = h["max_step"]
-    if not isinstance(bound, Tensor) and math.isinf(bound):
+    if math.isinf(bound):
         return step
     return step.clamp_(-bound, bound)
 
@@ -231,39 +227,6 @@ def _big_block(
         state["exp_avg_absmax"][b] = amax_t
 
 
-_compiled_chunk = None
-
-
-def chunk_function(device: torch.device):
-    """The per-chunk update for ``device``: compiled (Triton) on CUDA, eager elsewhere.
-
-    On the CPU the C kernel is the fast path, and compiling the fallback would cost
-    seconds of Inductor time for a path used only for odd dtypes and layouts.
-    """
-    global _compiled_chunk
-    if device.type != "cuda":
-        return _chunk
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk, dynamic=True)
-
-    def compiled(
-        param32, g, state, start, end, period, block, bits, table, h, r=None, v=None
-    ):
-        # The per-step scalars (bias corrections change every step) go in as 0-dim
-        # tensors: as Python floats they would be baked in and recompile each step.
-        # torch.full, not torch.tensor: it fills on the device, where torch.tensor
-        # copies from the host and makes the host wait for the device.
-        h = {
-            k: torch.full((), x, dtype=torch.float32, device=device)
-            for k, x in h.items()
-        }
-        _compiled_chunk(
-            param32, g, state, start, end, period, block, bits, table, h, r, v
-        )
-
-    return compiled
-
-
 def torch_step(
     param: Tensor,
     grad: Tensor,
@@ -346,7 +309,6 @@ def torch_step(
             write_back(w, w32, start)
     else:
         step = max(1, TORCH_CHUNK // (2 * block)) * 2 * block
-        chunk_fn = chunk_function(param.device)
         for start in range(0, n, step):
             end = min(start + step, n)
             g = flat_grad[start:end].float() * sign
@@ -354,7 +316,7 @@ def torch_step(
             w32 = w if w.dtype == torch.float32 else w.float()
             r = uniforms(start, end)
             den = factors(start, end)
-            chunk_fn(w32, g, state, start, end, period, block, bits, table, h, r, den)
+            _chunk(w32, g, state, start, end, period, block, bits, table, h, r, den)
             write_back(w, w32, start)
     if not param.is_contiguous():
         param.copy_(flat.view(param.shape))

@@ -1,8 +1,8 @@
 r"""Gefen's CUDA step: Triton kernels over tables of parameters (the host side).
 
-``_fused.fused_step`` (one parameter) and ``_fused_many.step_many`` (all of a
-step's parameters) send CUDA tensors here when :func:`problem` finds nothing the
-kernels do not cover; the kernels (``_triton_kernels.py``) compute
+The dispatch (``_fused.implementation``, for ``_dispatch.step_many`` and
+``_fused.fused_step``) sends CUDA tensors here when :func:`problem` finds nothing
+the kernels do not cover; the kernels (``_triton_kernels.py``) compute
 ``_step.reference_step``'s update with the C kernel's roundings and the same
 counter-based random bits, so a run moved between CPU and GPU continues on the
 same stream. Like the C kernel's ``_cabi``, this module turns each parameter into
@@ -14,7 +14,7 @@ second moment per block, per element or factored; nearest and stochastic codes;
 fp32, bf16 and fp16 parameters and gradients, rounded to nearest or
 stochastically; weight decay, ``maximize``, ``update_clip``; non-contiguous
 parameters through ``step_many``'s contiguous twins. **Not covered** (:func:`problem`
-names it; the caller keeps the ``torch.compile``'d fallback and warns once):
+names it; the caller takes the eager PyTorch fallback and warns once):
 an environment without ``triton``, non-contiguous tensors handed to
 ``fused_step`` directly, state tensors that are not Gefen's dtypes or not on the
 parameter's device.
@@ -25,10 +25,11 @@ a factored second moment (its row and column sums, then the factors: see
 ``_triton_factored``), so the 8-bit and 4-bit defaults (which factor matrices)
 take 4 launches, blocks alone 1, whatever the number of parameters. A few small
 host-to-device copies carry the job tables (non-blocking, from pinned memory);
-nothing waits for the device. The tables are rebuilt every step in
-Python (about 20 ints per parameter: ~1 ms for GPT-2 small's 148 tensors on a
-slow shared CPU core), as is the rest of ``Gefen.step``'s per-parameter
-bookkeeping; a cached plan, as the C kernel's ``_fused_plan``, is future work.
+nothing waits for the device. The tables' columns that stay from step to step
+(pointers into the state, sizes, layouts, the factored scratch, the programs'
+search tables) are kept in :class:`Tables` (the dispatch's cache holds one) while
+the same states step; a steady step writes only each job's gradient pointer and
+rounding keys, and the per-step scalars.
 
 **Without a GPU:** with ``TRITON_INTERPRET=1`` set before triton is first
 imported, CPU tensors run the same kernels through Triton's interpreter, which is
@@ -56,7 +57,16 @@ try:  # an optional dependency: the CPU path never needs it
 except ImportError:  # pragma: no cover - exercised where triton is absent
     _compiled = _factored = None
 
-__all__ = ["available", "job", "launch", "problem", "serves", "warn_fallback"]
+__all__ = [
+    "Tables",
+    "available",
+    "grad_fits",
+    "job",
+    "launch",
+    "problem",
+    "serves",
+    "warn_fallback",
+]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_TILE = 1024  # elements a program holds at once (a longer unit takes 2 passes)
@@ -81,18 +91,32 @@ def interpreting() -> bool:
     return _compiled is not None and bool(triton.knobs.runtime.interpret)
 
 
+def _tensor_problem(name: str, t: Tensor, device: torch.device) -> str | None:
+    if t.layout != torch.strided or t.dtype not in _DTYPES:
+        return f"{name} of dtype {t.dtype} and layout {t.layout}"
+    if not t.is_contiguous():
+        return f"a non-contiguous {name}"
+    if t.device != device:
+        return f"{name} on {t.device} beside param on {device}"
+    return None
+
+
+def grad_fits(param: Tensor, grad: Tensor) -> bool:
+    """The gradient's half of :func:`problem` (the dispatch asks it of each new
+    gradient of a parameter whose checks it keeps)."""
+    return grad.numel() == param.numel() and (
+        _tensor_problem("grad", grad, param.device) is None
+    )
+
+
 def problem(param: Tensor, grad: Tensor, state: dict, stochastic: bool) -> str | None:
     """Why the Triton step cannot take these tensors, naming the option or layout
     (None: it can). ``stochastic``: the parameter is rounded stochastically."""
     if _compiled is None:
         return "an environment without triton"
     for name, t in (("param", param), ("grad", grad)):
-        if t.layout != torch.strided or t.dtype not in _DTYPES:
-            return f"{name} of dtype {t.dtype} and layout {t.layout}"
-        if not t.is_contiguous():
-            return f"a non-contiguous {name}"
-        if t.device != param.device:
-            return f"{name} on {t.device} beside param on {param.device}"
+        if (why := _tensor_problem(name, t, param.device)) is not None:
+            return why
     names = ["exp_avg_sq"]
     names += ["exp_avg_absmax", "exp_avg_codes"] if "codebook" in state else ["exp_avg"]
     for name in names:
@@ -110,13 +134,13 @@ _warned: set[str] = set()
 
 
 def warn_fallback(reason: str) -> None:
-    """Warns once per reason that CUDA tensors take the compiled fallback."""
+    """Warns once per reason that CUDA tensors take the eager PyTorch fallback."""
     if reason in _warned:
         return
     _warned.add(reason)
     warnings.warn(
         f"Gefen's Triton step does not cover {reason} yet: those parameters step "
-        "through the torch.compile'd PyTorch fallback, far slower",
+        "through the eager PyTorch fallback (_torch_step), far slower",
         stacklevel=3,
     )
 
@@ -220,10 +244,10 @@ def _pow2(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, 1 << max(0, int(x) - 1).bit_length()))
 
 
-def _upload(rows: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _upload(rows: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A table built on the host, on ``device`` without waiting for it (pinned:
     the copy is asynchronous, and the pinned block is not reused before it ran)."""
-    table = torch.tensor(rows, dtype=dtype)
+    table = rows if isinstance(rows, Tensor) else torch.tensor(rows, dtype=dtype)
     if device.type == "cuda":
         return table.pin_memory().to(device, non_blocking=True)
     return table
@@ -320,12 +344,13 @@ def _factor_row(f: _Factored, j: Job) -> list[int]:
 
 
 def _job_row(j: Job, f: _Factored | None, device: torch.device) -> list[int]:
-    """One job's row of the int64 table (the kernels' J_* columns)."""
+    """One job's row of the int64 table (the kernels' J_* columns), but for the
+    columns :func:`_fill` writes each step (gradient pointer, rounding keys)."""
     q = _ints()
     period, block, bits = j.layout
     packed = bits == 4 and packed_codes(j.param, j.state)
     row = [0] * q.JOB_FIELDS
-    row[q.J_PARAM], row[q.J_GRAD] = j.param.data_ptr(), j.grad.data_ptr()
+    row[q.J_PARAM] = j.param.data_ptr()
     row[q.J_V] = j.state["exp_avg_sq"].data_ptr()
     row[q.J_N], row[q.J_BLOCK], row[q.J_BITS] = j.param.numel(), block, bits
     # 4-bit codes of an odd block share a byte with the next block: a program
@@ -347,16 +372,52 @@ def _job_row(j: Job, f: _Factored | None, device: torch.device) -> list[int]:
         row[q.J_VKIND] = q.V_ELEMENT if period == 1 else q.V_BLOCKS
     row[q.J_INDEX0] = j.index0
     row[q.J_CODE_SR] = int(j.code_key is not None and bits != 0)
-    row[q.J_CODE_KEY] = _signed(j.code_key or 0)
     row[q.J_PARAM_SR] = int(j.stochastic and j.param.dtype != torch.float32)
-    row[q.J_ROUND_KEY] = _signed(j.key)
     return row
 
 
-def launch(jobs: list[Job]) -> int:
+@dataclass
+class _Segment:
+    """The jobs ``[lo, hi)`` of one main launch (one gradient and parameter dtype)."""
+
+    lo: int
+    hi: int
+    pair: tuple[torch.dtype, torch.dtype]  # (gradient dtype, parameter dtype)
+    tile: int
+    programs: int
+    starts: Tensor  # each job's first program, on the device
+
+
+@dataclass
+class _Layout:
+    """What a device's launch keeps from step to step while its jobs hold."""
+
+    order: list[int]  # the jobs sorted by (gradient dtype, parameter dtype)
+    table: Tensor  # int64 [jobs, JOB_FIELDS] on the host, per-step columns 0
+    segments: list[_Segment]
+    cols_tile: int
+    scratch: tuple  # the factored jobs' factors and partial sums
+    factored: list[_Factored]
+    factor_table: Tensor | None  # int64 [factored, FACTOR_FIELDS], F_GRAD 0
+    factor_launches: tuple  # (row-sum segments, column starts, a tile, a starts)
+    codebooks: list  # the device tables the rows point into, kept alive
+
+
+class Tables:
+    """The job tables of a launch, kept for the next while ``key`` holds (the
+    dispatch's: each job's checked state and gradient dtype, in order)."""
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.layouts: dict[torch.device, _Layout] = {}
+
+
+def launch(jobs: list[Job], tables: Tables | None = None) -> int:
     """One Gefen step of every job, on the device of its tensors (CPU tensors run
     through the interpreter). Returns the number of kernel launches: per device,
     one per (gradient dtype, parameter dtype) pair, plus three with factored jobs.
+    ``tables``: the tables of the previous launch of the same jobs (filled here
+    on first use); None builds them for this launch only.
 
     Raises:
         RuntimeError: triton is not installed.
@@ -368,21 +429,28 @@ def launch(jobs: list[Job]) -> int:
         by_device.setdefault(j.param.device, []).append(j)
     count = 0
     for device, group in by_device.items():
+        layout = tables.layouts.get(device) if tables is not None else None
+        if layout is None:
+            layout = _layout(group, device)
+            if tables is not None:
+                tables.layouts[device] = layout
         if device.type == "cuda":
             with torch.cuda.device(device):  # triton launches on the current one
-                count += _launch(group, device, {"enable_fp_fusion": False})
+                count += _launch(group, layout, device, {"enable_fp_fusion": False})
         else:
-            count += _launch(group, device, {})
+            count += _launch(group, layout, device, {})
     return count
 
 
-def _launch(jobs: list[Job], device: torch.device, opts: dict) -> int:
-    """:func:`launch`'s work: the tables, the scratch, the kernels (``opts``:
-    their compile options)."""
-    k = _compiled
-    exact = device.type == "cpu"  # the interpreter's tl.fma rounds twice
+def _layout(jobs: list[Job], device: torch.device) -> _Layout:
+    """The tables of ``jobs`` that stay while they step again (see :class:`_Layout`)."""
+    q = _ints()
     # rows of one (grad dtype, param dtype) pair are contiguous: one launch each
-    jobs = sorted(jobs, key=lambda j: (str(j.grad.dtype), str(j.param.dtype)))
+    order = sorted(
+        range(len(jobs)),
+        key=lambda i: (str(jobs[i].grad.dtype), str(jobs[i].param.dtype)),
+    )
+    jobs = [jobs[i] for i in order]
     cols_tile = _pow2(
         max(
             (
@@ -397,56 +465,118 @@ def _launch(jobs: list[Job], device: torch.device, opts: dict) -> int:
     )
     scratch, factored = _factored_layout(jobs, device, cols_tile)
     of_slot = {f.slot: f for f in factored}
-    table = [_job_row(j, of_slot.get(i), device) for i, j in enumerate(jobs)]
-    hypers = [[j.hyper[f] for f in k.HYPER_FIELDS] for j in jobs]
-    q = _ints()
-    units = [math.ceil(r[q.J_N] / (r[q.J_UNIT] * r[q.J_BLOCK])) for r in table]
-    jobs_t = _upload(table, torch.int64, device)
-    hyper_t = _upload(hypers, torch.float32, device)
-    count = 0
-    if factored:
-        count += _launch_factored(jobs, factored, hyper_t, cols_tile, device, opts)
-    lo = 0
+    rows = [_job_row(j, of_slot.get(i), device) for i, j in enumerate(jobs)]
+    units = [math.ceil(r[q.J_N] / (r[q.J_UNIT] * r[q.J_BLOCK])) for r in rows]
+    segments, lo = [], 0
     while lo < len(jobs):
         pair = (jobs[lo].grad.dtype, jobs[lo].param.dtype)
         hi = lo
         while hi < len(jobs) and (jobs[hi].grad.dtype, jobs[hi].param.dtype) == pair:
             hi += 1
         # a tile holds the longest unit, up to _MAX_TILE (longer: two passes)
-        longest = max(min(r[q.J_UNIT] * r[q.J_BLOCK], r[q.J_N]) for r in table[lo:hi])
-        k.gefen_step_kernel[(sum(units[lo:hi]),)](
-            jobs_t[lo:hi],
-            hyper_t[lo:hi],
-            _starts(units[lo:hi], device),
-            hi - lo,
-            TILE=_pow2(longest, 16, _MAX_TILE),
-            LOG_JOBS=_log_jobs(hi - lo),
-            P_DTYPE=_tl_dtype(pair[1]),
-            G_DTYPE=_tl_dtype(pair[0]),
+        longest = max(min(r[q.J_UNIT] * r[q.J_BLOCK], r[q.J_N]) for r in rows[lo:hi])
+        segments.append(
+            _Segment(
+                lo,
+                hi,
+                pair,
+                _pow2(longest, 16, _MAX_TILE),
+                sum(units[lo:hi]),
+                _starts(units[lo:hi], device),
+            )
+        )
+        lo = hi
+    factor_table, factor_launches = None, ()
+    if factored:
+        factor_table = torch.tensor(
+            [_factor_row(f, jobs[f.slot]) for f in factored], dtype=torch.int64
+        )
+        factor_launches = _factor_launches(jobs, factored, device)
+    return _Layout(
+        order,
+        torch.tensor(rows, dtype=torch.int64),
+        segments,
+        cols_tile,
+        scratch,
+        factored,
+        factor_table,
+        factor_launches,
+        [_device_table(j.state["codebook"], device) for j in jobs if j.layout[2]],
+    )
+
+
+def _fill(table: Tensor, column: int, values: list[int]) -> None:
+    table[:, column] = torch.tensor(values, dtype=torch.int64)
+
+
+def _launch(jobs: list[Job], layout: _Layout, device: torch.device, opts: dict) -> int:
+    """:func:`launch`'s work on one device: this step's columns of the kept
+    tables, the uploads, the kernels (``opts``: their compile options)."""
+    k, q = _compiled, _ints()
+    exact = device.type == "cpu"  # the interpreter's tl.fma rounds twice
+    jobs = [jobs[i] for i in layout.order]
+    table = layout.table.clone()
+    _fill(table, q.J_GRAD, [j.grad.data_ptr() for j in jobs])
+    _fill(table, q.J_CODE_KEY, [_signed(j.code_key or 0) for j in jobs])
+    _fill(table, q.J_ROUND_KEY, [_signed(j.key) for j in jobs])
+    hypers = [[j.hyper[f] for f in k.HYPER_FIELDS] for j in jobs]
+    jobs_t = _upload(table, torch.int64, device)
+    hyper_t = _upload(hypers, torch.float32, device)
+    count = 0
+    if layout.factored:
+        count += _launch_factored(jobs, layout, hyper_t, device, opts)
+    for seg in layout.segments:
+        k.gefen_step_kernel[(seg.programs,)](
+            jobs_t[seg.lo : seg.hi],
+            hyper_t[seg.lo : seg.hi],
+            seg.starts,
+            seg.hi - seg.lo,
+            TILE=seg.tile,
+            LOG_JOBS=_log_jobs(seg.hi - seg.lo),
+            P_DTYPE=_tl_dtype(seg.pair[1]),
+            G_DTYPE=_tl_dtype(seg.pair[0]),
             EXACT=exact,
             **opts,
         )
         count += 1
-        lo = hi
-    del scratch  # freed in stream order: the kernels above run first
     return count
 
 
-def _launch_factored(jobs, factored, hyper_t, cols_tile, device, opts) -> int:
-    """The three launches that advance the factored jobs' factors and leave this
-    step's ``a`` and ``b`` in scratch; returns 3 (the row sums go once per
-    gradient dtype, so more with mixed gradient dtypes)."""
-    f_t = _upload([_factor_row(f, jobs[f.slot]) for f in factored], torch.int64, device)
-    count, lo = 0, 0
+def _factor_launches(jobs: list[Job], factored: list[_Factored], device) -> tuple:
+    """The factored launches' grids and search tables (they stay with the jobs)."""
+    rows_segments, lo = [], 0
     while lo < len(factored):  # the row sums read the gradient: one per dtype
         gdtype = jobs[factored[lo].slot].grad.dtype
         hi = lo
         while hi < len(factored) and jobs[factored[hi].slot].grad.dtype == gdtype:
             hi += 1
         per = [f.nchunk * f.nct for f in factored[lo:hi]]
-        _factored.factor_rows_kernel[(sum(per),)](
+        rows_segments.append((lo, hi, gdtype, sum(per), _starts(per, device)))
+        lo = hi
+    tiles = [f.nct for f in factored]
+    cols = (sum(tiles), _starts(tiles, device))
+    rows_tile = _pow2(max(f.rows for f in factored), 16, 256)
+    tiles = [math.ceil(f.rows / rows_tile) for f in factored]
+    return rows_segments, cols, rows_tile, (sum(tiles), _starts(tiles, device))
+
+
+def _launch_factored(jobs, layout: _Layout, hyper_t, device, opts) -> int:
+    """The three launches that advance the factored jobs' factors and leave this
+    step's ``a`` and ``b`` in scratch; returns 3 (the row sums go once per
+    gradient dtype, so more with mixed gradient dtypes)."""
+    k = _ints()
+    factored, cols_tile = layout.factored, layout.cols_tile
+    rows_segments, (col_programs, col_starts), rows_tile, a_grid = (
+        layout.factor_launches
+    )
+    f_table = layout.factor_table.clone()
+    _fill(f_table, k.F_GRAD, [jobs[f.slot].grad.data_ptr() for f in factored])
+    f_t = _upload(f_table, torch.int64, device)
+    count = 0
+    for lo, hi, gdtype, programs, starts in rows_segments:
+        _factored.factor_rows_kernel[(programs,)](
             f_t[lo:hi],
-            _starts(per, device),
+            starts,
             hi - lo,
             ROWS=_FACTOR_ROWS,
             COLS=cols_tile,
@@ -455,25 +585,21 @@ def _launch_factored(jobs, factored, hyper_t, cols_tile, device, opts) -> int:
             **opts,
         )
         count += 1
-        lo = hi
     nf, log = len(factored), _log_jobs(len(factored))
-    tiles = [f.nct for f in factored]
-    _factored.factor_cols_kernel[(sum(tiles),)](
+    _factored.factor_cols_kernel[(col_programs,)](
         f_t,
         hyper_t,
-        _starts(tiles, device),
+        col_starts,
         nf,
         COLS=cols_tile,
         LOG_JOBS=log,
         EXACT=device.type == "cpu",
         **opts,
     )
-    rows_tile = _pow2(max(f.rows for f in factored), 16, 256)
-    tiles = [math.ceil(f.rows / rows_tile) for f in factored]
-    _factored.factor_a_kernel[(sum(tiles),)](
+    _factored.factor_a_kernel[(a_grid[0],)](
         f_t,
         hyper_t,
-        _starts(tiles, device),
+        a_grid[1],
         nf,
         ROWS=rows_tile,
         LOG_JOBS=log,

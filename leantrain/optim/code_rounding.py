@@ -43,7 +43,6 @@ from ._quant_table import quant_table
 from .precision import _splitmix64, random_bits, rounding_key
 
 __all__ = [
-    "MOMENTUM_ROUNDINGS",
     "code_key",
     "round_blocks",
     "searched_index",
@@ -52,10 +51,6 @@ __all__ = [
     "uniform",
 ]
 
-# Gefen's ``momentum_rounding`` option: "auto" is stochastic for 4-bit codes and
-# for 8-bit codes on a weight's own second moment, nearest for other 8-bit codes
-# (``_options.stochastic_codes_of``; docs/gefen.md says why).
-MOMENTUM_ROUNDINGS = ("auto", "nearest", "stochastic")
 # More distinct values than this (8-bit codebooks) are searched, not counted.
 SEARCH_ABOVE = 16
 # Separates the code stream from the parameter-rounding stream of the same key.
@@ -73,25 +68,6 @@ def uniform(key: int, start: int, count: int, device=None) -> Tensor:
     bits of their hash, times :math:`2^{-24}` (exact in fp32)."""
     bits = random_bits(key, start, count, device=device)
     return (bits >> 8).to(torch.float32).mul_(2.0**-24)
-
-
-def resolved(rounding: str, bits: int | None) -> bool:
-    """Whether a group's ``momentum_rounding`` means stochastic codes for ``bits``.
-
-    "auto" is stochastic for 4-bit codes and nearest for 8-bit ones; "stochastic"
-    asks for it with 8-bit codes too (no effect on fp32 momentum).
-
-    Raises:
-        ValueError: ``rounding`` is not one of :data:`MOMENTUM_ROUNDINGS`.
-    """
-    if rounding not in MOMENTUM_ROUNDINGS:
-        raise ValueError(
-            f"Invalid momentum_rounding: {rounding!r}; allowed: 'auto', 'nearest' "
-            "or 'stochastic'"
-        )
-    if bits == 4:
-        return rounding != "nearest"
-    return bits == 8 and rounding == "stochastic"
 
 
 def stochastic_codes(x: Tensor, codebook: Tensor, r: Tensor) -> Tensor:

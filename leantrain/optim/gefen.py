@@ -1,17 +1,18 @@
 """Gefen: AdamW with about one byte of optimizer state per parameter.
 
 The class is bookkeeping only (param groups, lazy state, the first-step partition
-and codebook, checkpoints, the non-finite gradient policy); the update itself is the
-pure function ``_step.reference_step``; ``step()`` runs its fused twin
-``_fused.fused_step`` (a C kernel on the CPU, Triton kernels on CUDA, or chunked
-PyTorch where neither runs), which a
-parity test holds equal to the reference. Every implementation takes one
+and codebook, checkpoints; the non-finite policy and the step's dispatch it shares
+with GefenMuon through ``_base.GefenBase``); the update itself is the pure function
+``_step.reference_step``. ``step()`` hands every parameter to the one dispatch,
+``_dispatch.step_many``, which picks each one's implementation (a C kernel on the
+CPU, Triton kernels on CUDA, eager chunked PyTorch where neither runs; parity tests
+hold each equal to the reference). Every implementation takes one
 ``_options.StepOptions``, which ``_options.options_of`` resolves from a param group
 and a state (the one place the "auto" options are decided). A steady step (same
 parameters, states and options as the last) is one kernel call through the cached
 ``_fused_plan``: on the CPU it enters five files of leantrain/optim (this one,
-``_fused_plan``, ``_options``, ``code_rounding``, ``_cabi``;
-tests/optim/test_step_files.py holds it to at most eight).
+``_base``, ``_fused_plan``, ``_options``, ``_cabi``; tests/optim/test_step_files.py
+holds it to at most eight).
 """
 
 from __future__ import annotations
@@ -20,17 +21,16 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from . import _checks, _dist, code_rounding
+from . import _checks, _dist
 from . import _reducible_partition as _partition
+from ._base import GefenBase
+from ._dispatch import StepItem
 from ._first_codebook import learn_first_codebook
-from ._fused_many import StepItem, step_many
-from ._fused_plan import StepPlan
-from ._options import options_of, second_moment_of, update_clip_of
+from ._options import options_of, resolved, second_moment_of, update_clip_of
 from ._sharded import new_local_state
-from ._state import check_factored, new_state, state_bits
+from ._state import check_factored, new_state
 from ._state_dict import (
     LazyLabel,
     group_factors,
@@ -86,7 +86,7 @@ def _own_v(group: dict, param: Tensor) -> bool:
     )
 
 
-class Gefen(Optimizer):
+class Gefen(GefenBase):
     r"""AdamW with a block-shared second moment and a codebook-quantized momentum.
 
     A drop-in replacement for ``torch.optim.AdamW`` (same arguments, defaults and
@@ -183,7 +183,7 @@ class Gefen(Optimizer):
     ) -> None:
         _checks.check_hyperparameters(lr, betas, eps, weight_decay)
         _checks.check_momentum_bits(momentum_bits)
-        code_rounding.resolved(momentum_rounding, momentum_bits)
+        resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
         _checks.check_second_moment(second_moment, partition)
         _checks.check_nonfinite(nonfinite)
@@ -226,45 +226,10 @@ class Gefen(Optimizer):
             self.param_groups.pop()
             raise
 
-    def _active(self) -> list[tuple[dict, Tensor, LazyLabel]]:
-        """(group, param, label) of every parameter with a non-empty gradient."""
-        active, index = [], 0
-        for group in self.param_groups:
-            for position, param in enumerate(group["params"]):
-                label = LazyLabel(group, position, param, index)
-                index += 1
-                if param.grad is None or param.numel() == 0:
-                    continue
-                _checks.check_grad(_dist.local(param.grad), label)
-                active.append((group, param, label))
-        return active
-
-    def _all_finite(self, active: list[tuple[dict, Tensor, str]]) -> bool:
-        """Applies the non-finite policy; False means: skip this whole step.
-
-        With sharded parameters the verdict is agreed across their ranks (one
-        small MIN all_reduce), so every rank skips or steps together.
-        """
-        finite = _checks.finite_flags([_dist.local(p.grad) for _, p, _ in active])
-        sharded = [p for _, p, _ in active if _dist.is_sharded(p)]
-        if sharded:
-            # On the parameters' device: NCCL reduces device tensors only.
-            flags = torch.tensor(finite, dtype=torch.float32, device=sharded[0].device)
-            group = _dist.group_of(sharded[0])
-            finite = [bool(f) for f in _dist.all_reduce(flags, "min", group)]
-        for ok, (_, _, label) in zip(finite, active, strict=True):
-            if not ok:
-                _checks.reject_nonfinite(self, label)
-                return False
-        return True
-
-    def _codebook(self, bits: int) -> Tensor | None:
-        """The optimizer's codebook for ``bits`` if any parameter holds one."""
-        for state in self.state.values():
-            codebook = state.get("codebook")
-            if codebook is not None and codebook.numel() == 2**bits:
-                return codebook
-        return None
+    def _label(
+        self, group: dict, position: int, param: Tensor, index: int
+    ) -> LazyLabel:
+        return LazyLabel(group, position, param, index)
 
     def _init_states(self, active: list[tuple[dict, Tensor, str]]) -> None:
         """Creates the state of parameters getting their first gradient.
@@ -348,40 +313,28 @@ class Gefen(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = self.__dict__.get("_plan")  # _fused_plan: a steady step, one call
-        if plan is not None:
-            if plan.run(self) is not None:
-                return loss
-            self._plan = None  # something changed: the full path, then a new plan
+        if self._planned_step(self.param_groups):  # a steady step: one call
+            return loss
         active = self._active()
         if not self._all_finite(active):
             return loss
         if self._template_step(active):
             return loss
+        self._check_bits(active)
         any_fresh = False
         for group, param, label in active:
             state = self.state[param]
             if _fresh(state):
                 any_fresh = True
                 continue
-            if state_bits(state) != group["momentum_bits"]:
-                raise ValueError(
-                    f"{label}: its state holds momentum_bits={state_bits(state)} but "
-                    f"its group now says {group['momentum_bits']}; momentum_bits "
-                    "cannot change after the first step"
-                )
             check_factored(
                 state, tuple(param.shape), second_moment_of(group, param, state), label
             )
         if any_fresh:
             self._init_states(active)
         straddling = []
-        # A parameter's fixed position in the optimizer keys its rounding stream.
-        position = {
-            id(p): i
-            for i, p in enumerate(p for g in self.param_groups for p in g["params"])
-        }
-        items, layouts = [], self.__dict__.setdefault("_layouts", {})
+        position = self._positions()
+        items, layouts = [], self._steps.layouts
         for group, param, _ in active:
             seed = position[id(param)]
             state = self.state[param]
@@ -400,12 +353,11 @@ class Gefen(Optimizer):
                     index0=_dist.my_span(param).start if sharded else 0,
                 )
             )
-        # one kernel call for all of them; the cache keeps each state's checks
-        step_many(items, self.__dict__.setdefault("_step_cache", {}))
+        # no plan where shards straddle (their exchange is not planned): the
+        # plan is built only when every active parameter is an item
+        self._dispatched_step(self.param_groups, active, items)
         if straddling:
             straddling_step(self.state, straddling)
-        else:
-            self._plan = StepPlan.build(self, active, items)
         return loss
 
     def _template_step(self, active: list[tuple[dict, Tensor, str]]) -> bool:

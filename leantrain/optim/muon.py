@@ -21,12 +21,12 @@ from dataclasses import replace
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from . import _checks, code_rounding
+from . import _checks
+from ._base import GefenBase
+from ._dispatch import StepItem
 from ._first_codebook import learn_first_codebook
-from ._fused_many import StepItem, step_many
 from ._muon_groups import ADAMW_KEYS, items_of, muon_param_groups, tensor_of
 from ._muon_math import (
     DEFAULT_NS_COEFFICIENTS,
@@ -37,8 +37,8 @@ from ._muon_math import (
     newton_schulz_reference,
 )
 from ._muon_state import check_muon_options, check_ns_dtype, load_pre_hook
-from ._options import options_of, stochastic_codes_of, update_clip_of
-from ._state import new_state, state_bits
+from ._options import options_of, resolved, stochastic_codes_of, update_clip_of
+from ._state import new_state
 from ._state_dict import load_post_hook  # the same as Gefen's: install state as saved
 from .gefen import block_period
 from .quant import NearestCode
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 
-class GefenMuon(Optimizer):
+class GefenMuon(GefenBase):
     r"""Muon with a Gefen-quantized momentum, and Gefen-AdamW for the other params.
 
     For a 2-D parameter (a "Muon parameter") each step is ``torch.optim.Muon``'s
@@ -96,7 +96,7 @@ class GefenMuon(Optimizer):
             quantization block (``qblock``); for AdamW ones also the second moment's.
         ns_dtype: dtype of the Newton–Schulz iteration; None picks bfloat16 on CUDA
             (Muon's choice, ``torch.optim.Muon``'s bits) and float32 elsewhere
-            (bfloat16 matrix products are 10-80x slower on AVX2 CPUs).
+            (bfloat16 matrix products are much slower on AVX2 CPUs).
         adamw_lr: learning rate of the AdamW side.
         adamw_betas: (beta1, beta2) of the AdamW side.
         adamw_eps: eps of the AdamW side.
@@ -159,7 +159,7 @@ class GefenMuon(Optimizer):
             adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay
         )
         _checks.check_momentum_bits(momentum_bits)
-        code_rounding.resolved(momentum_rounding, momentum_bits)
+        resolved(momentum_rounding, momentum_bits)
         _checks.check_partition(partition)
         _checks.check_nonfinite(nonfinite)
         update_clip_of({"momentum_bits": momentum_bits, "update_clip": update_clip})
@@ -188,6 +188,8 @@ class GefenMuon(Optimizer):
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(load_pre_hook)
         self.register_load_state_dict_post_hook(load_post_hook)
+
+    takes_dtensors = False  # Newton-Schulz needs whole matrices (see _add_checked)
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a group; one without ``use_muon`` is split into a Muon and an AdamW
@@ -259,6 +261,9 @@ class GefenMuon(Optimizer):
             self.param_groups.pop()
             raise
 
+    def _label(self, group: dict, position: int, param: Tensor, index: int) -> str:
+        return _label(group, position, param)
+
     def _init_states(self, active: list[tuple[dict, Tensor, str]]) -> None:
         """Creates the state of parameters on their first gradient; learns a codebook
         per momentum width from all of them when the optimizer has none yet."""
@@ -268,14 +273,7 @@ class GefenMuon(Optimizer):
         periods = {p: block_period(group["partition"], p) for group, p in fresh}
         codebooks: dict[int, Tensor] = {}
         for bits in {group["momentum_bits"] for group, _ in fresh} - {None}:
-            codebook = next(
-                (
-                    s["codebook"]
-                    for s in self.state.values()
-                    if "codebook" in s and s["codebook"].numel() == 2**bits
-                ),
-                None,
-            )
+            codebook = self._codebook(bits)
             if codebook is None:
                 codebook = learn_first_codebook(
                     bits,
@@ -312,50 +310,18 @@ class GefenMuon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        active, index = [], 0
-        for group in self.param_groups:
-            for position, param in enumerate(group["params"]):
-                index += 1
-                if param.grad is None or param.numel() == 0:
-                    continue
-                label = _label(group, position, param)
-                _checks.check_grad(param.grad, label)
-                active.append((group, param, label))
-        # One batched verdict (one read on the host per device), not one per tensor.
-        finite = _checks.finite_flags([param.grad for _, param, _ in active])
-        for ok, (_, _, label) in zip(finite, active, strict=True):
-            if not ok:
-                _checks.reject_nonfinite(self, label)
-                return loss
-        for group, param, label in active:
-            state = self.state[param]
-            if state and state_bits(state) != group["momentum_bits"]:
-                raise ValueError(
-                    f"{label}: its state holds momentum_bits={state_bits(state)} but "
-                    f"its group says {group['momentum_bits']}; momentum_bits cannot "
-                    "change after the first step"
-                )
+        active = self._active()
+        if not self._all_finite(active):
+            return loss
+        self._check_bits(active)
         self._init_states(active)
         # As in Gefen: a parameter's position keys its rounding streams, and
         # momentum_rounding="auto" rounds 4-bit codes stochastically (both sides).
-        position = {
-            id(p): i
-            for i, p in enumerate(p for g in self.param_groups for p in g["params"])
-        }
-        adamw = []  # the AdamW side: one step_many call for all of it
+        position = self._positions()
         for group, param, _ in active:
-            state = self.state[param]
             if not group["use_muon"]:
-                # Codes' "auto" rounding as for a fresh state (this side has always
-                # resolved it so); the clip from the state, as Gefen's.
-                options = replace(
-                    options_of(group, state, maximize=False),
-                    stochastic_codes=stochastic_codes_of(group),
-                )
-                adamw.append(
-                    StepItem(param, param.grad, state, options, position[id(param)])
-                )
                 continue
+            state = self.state[param]
             codebook = state.get("codebook")
             muon_step(
                 param,
@@ -374,7 +340,25 @@ class GefenMuon(Optimizer):
                 stochastic_codes=stochastic_codes_of(group),
                 seed=position[id(param)],
             )
-        step_many(adamw, self.__dict__.setdefault("_step_cache", {}))
+        # The AdamW side: Gefen's dispatch, one kernel call (or a few Triton
+        # launches) for all of it; a steady step through its cached plan.
+        groups = [g for g in self.param_groups if not g["use_muon"]]
+        if self._planned_step(groups):
+            return loss
+        adamw = [(g, p, label) for g, p, label in active if not g["use_muon"]]
+        items = []
+        for group, param, _ in adamw:
+            state = self.state[param]
+            # Codes' "auto" rounding as for a fresh state (this side has always
+            # resolved it so); the clip from the state, as Gefen's.
+            options = replace(
+                options_of(group, state, maximize=False),
+                stochastic_codes=stochastic_codes_of(group),
+            )
+            items.append(
+                StepItem(param, param.grad, state, options, position[id(param)])
+            )
+        self._dispatched_step(groups, adamw, items)
         return loss
 
     def _quantizer(self, codebook: Tensor) -> NearestCode:

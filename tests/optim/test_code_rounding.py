@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from leantrain.optim import Gefen, _fused, _native, _torch_step
-from leantrain.optim._options import StepOptions
+from leantrain.optim._options import StepOptions, resolved
 from leantrain.optim._step import reference_step
 from leantrain.optim.code_rounding import (
     code_key,
-    resolved,
     stochastic_codes,
     uniform,
 )

@@ -71,11 +71,11 @@ def test_plan_steps_equal_the_full_path_bit_for_bit(bits, second_moment):
                 opt.param_groups[0]["lr"] = 3e-3
         if step == 5:  # a parameter without a gradient: the full path, then a new plan
             model_a[2].bias.grad = model_b[2].bias.grad = None
-        full.__dict__.pop("_plan", None)  # always the full path
+        full._steps.plan = None  # always the full path
         plan.step()
         full.step()
         _assert_same(plan, full, model_a, model_b)
-        assert plan.__dict__.get("_plan") is not None
+        assert plan._steps.plan is not None
     assert float(plan.state[model_a[1].weight]["step"]) == 8
 
 
@@ -111,7 +111,7 @@ def test_a_nonfinite_gradient_on_the_plan_changes_nothing(where, policy):
     for step in range(2):
         _set_grads(model, step)
         opt.step()
-    assert opt.__dict__.get("_plan") is not None
+    assert opt._steps.plan is not None
     before = copy.deepcopy((list(model.parameters()), opt.state_dict()))
     _set_grads(model, 2)
     target = model[1].weight if where == "factored weight" else model[3].bias
@@ -143,7 +143,7 @@ def test_the_plans_finite_check_sees_every_element_of_a_long_gradient():
     for step in range(2):
         param.grad = torch.randn(n) * (step + 1)
         opt.step()
-    assert opt.__dict__.get("_plan") is not None
+    assert opt._steps.plan is not None
     q = 65536 // 4
     spots = [0, q - 1, q, 2 * q + 5, 3 * q + 7, 65535, 65536 + 3 * q + 1, n - 13, n - 1]
     for count, spot in enumerate(spots, start=1):
@@ -222,7 +222,7 @@ def test_gefen_factored_matches_the_reference_step(bits):
             refs.append((ref_p, ref_s))
         before = [p.detach().clone() for p in params]
         opt.step()
-        assert opt.__dict__.get("_plan") is not None
+        assert opt._steps.plan is not None
         for p, old, (ref_p, ref_s) in zip(params, before, refs, strict=True):
             state = opt.state[p]
             assert torch.equal(state["step"], ref_s["step"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leantrain.optim import _cabi, _native
-from leantrain.optim._fused_many import StepItem, step_many
+from leantrain.optim._dispatch import StepItem, step_many
 from leantrain.optim._options import StepOptions
 from leantrain.optim._state import new_state
 from tests._helpers.fused_states import HYPER, codebook, copy_state, random_state

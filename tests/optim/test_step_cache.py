@@ -1,5 +1,6 @@
-"""step_many's per-state cache: cached steps == uncached ones, and every change of a
-state's tensors, the parameter's storage or the gradient is seen."""
+"""The dispatch's per-state cache (``StepCache.checks``): cached steps == uncached
+ones, and every change of a state's tensors, the parameter's storage or the
+gradient is seen."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from leantrain.optim import Gefen, _native
-from leantrain.optim._fused_many import StepItem, step_many
+from leantrain.optim._dispatch import StepCache, StepItem, step_many
 from leantrain.optim._options import StepOptions
 from leantrain.optim._state import state_bits
 from tests._helpers.fused_states import HYPER, copy_state, random_state
@@ -49,7 +50,7 @@ def test_cached_steps_equal_uncached_through_state_changes(backend):  # noqa: F8
     and a parameter moves to new storage: the cached step must follow each."""
     items = _items()
     plain, cached = _clone(items), _clone(items)
-    cache: dict = {}
+    cache = StepCache()
     for step in range(6):
         if step == 2:  # a load_state_dict-like swap: new state dicts
             for a, b in zip(plain, cached, strict=True):
@@ -71,12 +72,12 @@ def test_cached_steps_equal_uncached_through_state_changes(backend):  # noqa: F8
             item.one_step()
         step_many(cached, cache)
         _assert_equal(plain, cached)
-    assert set(cache) == {id(i.state) for i in cached}  # replaced states dropped
+    assert set(cache.checks) == {id(i.state) for i in cached}  # replaced states dropped
 
 
 def test_a_bad_gradient_is_caught_on_a_cached_state(backend):  # noqa: F811
     items = _items(1)
-    cache: dict = {}
+    cache = StepCache()
     step_many(items, cache)
     before = _clone(items)
     items[1] = dataclasses.replace(items[1], grad=items[1].grad[:-1])

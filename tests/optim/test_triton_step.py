@@ -321,8 +321,8 @@ def test_gefen_steps_through_triton(monkeypatch):
     launches = []
     real = _triton_step.launch
 
-    def counting(jobs):
-        launches.append(real(jobs))
+    def counting(jobs, tables=None):
+        launches.append(real(jobs, tables))
         return launches[-1]
 
     for _ in range(3):
@@ -345,7 +345,7 @@ def test_gefen_steps_through_triton(monkeypatch):
 def test_strided_parameters_step_as_contiguous_twins(monkeypatch):
     """step_many steps a transposed parameter (and gradient) as a contiguous copy
     through the kernels and writes it back: the reference's step of that copy."""
-    from leantrain.optim._fused_many import StepItem, step_many
+    from leantrain.optim._dispatch import StepItem, step_many
 
     monkeypatch.setattr(_triton_step, "serves", lambda device: True)
     torch.manual_seed(4)
@@ -357,6 +357,143 @@ def test_strided_parameters_step_as_contiguous_twins(monkeypatch):
     reference_step(p_ref, grad.t().contiguous().t(), ref, **HYPER)
     assert not param.is_contiguous()
     assert_parity(state, ref, param, p_ref, 1200, ties=1)
+
+
+@interpreter
+def test_kept_tables_step_as_fresh_ones_through_changes(monkeypatch):
+    """The dispatch keeps the Triton job tables while the same states step
+    (``StepCache.triton``); a step on them equals, bit for bit, one that builds its
+    tables afresh, through a new gradient dtype, a replaced state tensor and a
+    parameter in new storage, and every change builds new tables."""
+    from leantrain.optim._dispatch import StepCache, StepItem, step_many
+
+    monkeypatch.setattr(_triton_step, "serves", lambda device: True)
+    cases = mixed_states("cpu")
+    kept = [
+        StepItem(p, torch.zeros_like(p), s, StepOptions(**HYPER), seed=i)
+        for i, (p, s) in enumerate(cases)
+    ]
+    fresh = [
+        StepItem(i.param.clone(), i.grad, copy_state(i.state), i.options, i.seed)
+        for i in kept
+    ]
+    cache, tables = StepCache(), []
+    for step in range(5):
+        grads = [torch.randn(i.param.shape) for i in kept]
+        if step == 2:
+            grads[0] = grads[0].bfloat16()  # a new gradient dtype
+        if step == 3:  # a state tensor replaced by a copy
+            for items in (kept, fresh):
+                v = items[1].state["exp_avg_sq"]
+                items[1].state["exp_avg_sq"] = v.clone()
+        if step == 4:  # a parameter moves to new storage
+            for items in (kept, fresh):
+                items[2].param = items[2].param.clone()
+        for items in (kept, fresh):
+            for item, g in zip(items, grads, strict=True):
+                item.grad = g
+        step_many(kept, cache)
+        step_many(fresh)  # no cache: tables built for this step only
+        tables.append(cache.triton)
+        for a, b in zip(kept, fresh, strict=True):
+            assert torch.equal(a.param, b.param)
+            for key in a.state:
+                assert torch.equal(a.state[key], b.state[key]), key
+    assert tables[1] is tables[0]  # a steady step reuses them
+    assert len({id(t) for t in tables[1:]}) == 4  # each change built new ones
+
+
+@interpreter
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_triton_plan_steps_as_the_full_path(bits, monkeypatch):
+    """After a full step whose parameters all took the Triton kernels, Gefen keeps
+    a plan (``_fused_plan.TritonPlan``) on the kept job tables: its steps equal the
+    full path's bit for bit, through a learning-rate change and a skipped step
+    with a NaN gradient (nothing changed, counted), and a changed option leaves it
+    for the full path."""
+    monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    monkeypatch.setattr(_triton_step, "serves", lambda device: True)
+    from leantrain.optim import _fused_plan
+
+    torch.manual_seed(1)
+    models = [torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Linear(16, 3))]
+    models.append(torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Linear(16, 3)))
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [
+        Gefen(m.parameters(), lr=1e-2, momentum_bits=bits, second_moment="factored")
+        for m in models
+    ]
+    x, y = torch.randn(32, 12), torch.randn(32, 3)
+    for step in range(5):
+        for m, opt in zip(models, opts, strict=True):
+            if opt is opts[1]:
+                opt._steps.plan = None  # always the full path
+            if step == 2:
+                opt.param_groups[0]["lr"] = 3e-3  # a scheduler: the plan holds
+            opt.zero_grad()
+            (m(x) - y).square().mean().backward()
+            if step == 3:
+                m[0].bias.grad[0] = float("nan")
+                with pytest.warns(RuntimeWarning, match="non-finite"):
+                    opt.step()
+            else:
+                opt.step()
+        planned = opts[0]._steps.plan
+        assert step == 0 or isinstance(planned, _fused_plan.TritonPlan)
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(opts[0].state.values(), opts[1].state.values(), strict=True):
+            for key in a:
+                assert torch.equal(a[key], b[key]), key
+    assert opts[0].nonfinite_steps == opts[1].nonfinite_steps == 1
+    opts[0].param_groups[0]["update_clip"] = 0.5  # not a scalar: the full path
+    plan = opts[0]._steps.plan
+    assert plan.run(opts[0], opts[0].param_groups) is None
+
+
+@interpreter
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_steady_triton_step_reads_one_device_value(policy, monkeypatch):
+    """A CUDA-free count of the host's reads of device values in a steady Triton
+    step (``.item()``, ``.tolist()``, ``bool``/``float``/``int`` of a tensor, called
+    from leantrain/optim), leaving out the state's CPU scalars (step counters,
+    periods): one, the non-finite verdict, under either policy. (A "skip" that
+    decides on the device, with no read, is not built yet.)"""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    monkeypatch.setattr(_triton_step, "serves", lambda device: True)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Linear(16, 3))
+    opt = Gefen(model.parameters(), nonfinite=policy, second_moment="factored")
+    x = torch.randn(8, 12)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    host = {id(t) for s in opt.state.values() for k, t in s.items() if t.numel() == 1}
+    optim = Path(_triton_step.__file__).resolve().parent
+    reads = []
+
+    def counted(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(t, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if Path(caller.co_filename).parent == optim and id(t) not in host:
+                reads.append((Path(caller.co_filename).name, caller.co_name, name))
+            return real(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        counted(name)
+    opt.step()
+    monkeypatch.undo()
+    assert reads == [("_checks.py", "finite_flags", "tolist")], reads
 
 
 _WITHOUT_TRITON = """

@@ -3,8 +3,8 @@
  * targets AVX-512F, i.e. -march=native on such a CPU; elsewhere this file is empty).
  *
  * The 8-bit step is bound by its two table lookups per element (gefen_codes.h).
- * On the AVX-512 CPUs we measured (Intel Xeon, Emerald Rapids) a 16-lane gather costs
- * far less than 16 scalar loads, so both lookups become gathers inside one vector
+ * On AVX-512 CPUs (Intel Xeon, Emerald Rapids) a 16-lane gather costs far less
+ * than 16 scalar loads, so both lookups become gathers inside one vector
  * loop each:
  *   pass 1: old code -> codebook value (one 16-lane gather), then the momentum,
  *           its absmax and sum(g^2) as in the AVX2 loop of lt_momentum;
@@ -13,9 +13,8 @@
  *           the exact m. Stochastic codes use another 8-byte cell entry that gives
  *           the interval's lower end i, then one 8-byte pair (u_i, u_{i+1}): four
  *           8-lane gathers per 16 elements where the nearest lookup followed by
- *           lt_sr8_round16 takes two and three 16-lane ones (25-29 of the 80 ms of
- *           the 8-bit default step on a 29 M-parameter stack, 1 thread; ~14 ms
- *           less this way).
+ *           lt_sr8_round16 takes two and three 16-lane ones (a large share of
+ *           the 8-bit default step; timings in CHANGELOG.md).
  * Every result is the same bits as the scalar code: the same IEEE operations in
  * the same order (no fused multiply-add is added, sqrt is correctly rounded in
  * both), and sum(g^2) is accumulated in the same 8 double lanes, element k into
@@ -264,9 +263,8 @@ static int64_t lt_quant8_sr_update_avx512(const lt_quantizer *q, const float *re
    compares and random test), codes one per byte into code (the caller packs
    them), and the update (lt_update16) in the same loop. As separate loops the
    update was bound by the divider (a square root and two divisions per element
-   with a factored v: 17 of the ~80 ms of the 4-bit default step on a 29 M stack,
-   1 thread) while the lookup's compares and hash left it idle; in one loop they
-   overlap. Returns the number of elements done. */
+   with a factored v) while the lookup's compares and hash left it idle; in one
+   loop they overlap. Returns the number of elements done. */
 static int64_t lt_quant4_update_avx512(const lt_quantizer *q, const float *restrict m,
                                        float amax, int64_t len, float *restrict p,
                                        const float *restrict den, float denom_block,

@@ -18,13 +18,12 @@
  * load yields j and the midpoint to compare with (no load that depends on another).
  *
  * 8-bit table lookups (old code -> value, cell -> code) are scalar loops here: on
- * the AVX2 CPU we measured (AMD EPYC Zen 3, under KVM) a vpgatherdd costs as much as
- * eight scalar loads, and a version of pass 2 fused into one AVX2 loop with three
- * gathers per 8 elements was ~10% slower than the scalar lookup + vector update.
- * With AVX-512 both lookups are 16-lane gathers in gefen_avx512.h (Intel Xeon:
- * the 8-bit step 45.8 -> 23.5 ms on 25M elements, 2 threads), same bits.
- * The 8-bit lookup is branch-free (a mispredicted branch per element in a cell
- * holding a midpoint cost 30% of the step with a learned codebook). A 4-bit codebook
+ * AVX2 CPUs (AMD EPYC Zen 3) a vpgatherdd costs as much as eight scalar loads, so
+ * a pass 2 fused into one AVX2 loop with three gathers per 8 elements is slower
+ * than the scalar lookup + vector update. With AVX-512 both lookups are 16-lane
+ * gathers in gefen_avx512.h, same bits. The 8-bit lookup is branch-free (with a
+ * learned codebook a branch per element in a cell holding a midpoint mispredicts
+ * often). (Timings: CHANGELOG.md.) A 4-bit codebook
  * fits in two AVX2 registers (one AVX-512 register): old codes are dequantized with
  * in-register permutes, and new ones are found by comparing with the 15 midpoints.
  */

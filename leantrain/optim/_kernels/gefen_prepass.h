@@ -47,8 +47,8 @@ static int lt_sums_factors(const lt_job *j) { return j->rows > 0 && !j->advanced
 
 #ifdef __AVX512F__
 /* R <= 4 consecutive fp32 rows x of the chunk below at once: R read streams in one
-   loop (one stream per loop left this pass waiting on memory: 16 -> 9 ms over 117
-   MB here, 1 thread) and one load and store of part per R rows. The same sums, in
+   loop (one stream per loop left this pass waiting on memory) and one load and
+   store of part per R rows. The same sums, in
    the same order, as the `omp simd` loop of lt_factor_chunk compiles to with gcc
    on x86-64 (8 double lanes): part[c] gets the rows in order; a row's sum keeps
    element c in lane c mod 8 below the last multiple of 8, the rest added into lane

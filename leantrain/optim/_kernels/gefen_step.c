@@ -277,8 +277,7 @@ static void lt_block(void *param, const void *grad, float *restrict v,
 #ifdef __AVX512F__
     /* The same elements of the next block's fp32 gradient, when this thread does
        that block next: pass 2 (compute-bound) prefetches them into L2 for that
-       block's pass 1, which otherwise waits on memory for them (the 8-bit and
-       4-bit default steps on a 29 M stack, 1 thread: 59 -> 55 and 59 -> 49 ms). */
+       block's pass 1, which otherwise waits on memory for them. */
     const float *ahead = next_mine && !io->grad_bf16 && s + len + a + l <= n
                              ? (const float *)grad + s + len + a
                              : 0;
