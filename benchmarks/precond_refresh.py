@@ -26,7 +26,7 @@ import torch
 
 from leantrain.models.gpt import GPT, GPTConfig, lm_loss
 from leantrain.precond import make_gradient_maker
-from leantrain.precond._kron import damped_inverse
+from leantrain.precond.curv import damped_inverse
 from leantrain.precond.methods.shampoo import inverse_root
 
 
@@ -47,13 +47,13 @@ def _shampoo_one_by_one(gm) -> None:
 
 def _kfac_dense(gm) -> list[tuple[str, str]]:
     """(name, "A" | "B") of the dense factors (LayerNorms have unit blocks)."""
-    return [(n, k) for n, f in gm._factors.items() if "A" in f for k in "AB"]
+    return [(n, k) for n, f in gm.factors.items() if "A" in f for k in "AB"]
 
 
 def _kfac_one_by_one(gm) -> None:
     dense = _kfac_dense(gm)
     damps = gm._dense_dampings(dense, gm.config.damping)
-    mats = [m for n, k in dense for m in gm._factors[n][k]]
+    mats = [m for n, k in dense for m in gm.factors[n][k]]
     for m, d in zip(mats, damps, strict=True):
         damped_inverse(m, d)
 
@@ -79,7 +79,7 @@ def main() -> None:
         "kfac_10": (kfac, _kfac_one_by_one),
     }
     stats = [s for b in shampoo.statistics.values() for t in b for s in t]
-    dense = [m for n, k in _kfac_dense(kfac) for m in kfac._factors[n][k]]
+    dense = [m for n, k in _kfac_dense(kfac) for m in kfac.factors[n][k]]
     groups = {"shampoo": _count(stats), "kfac_10": _count(dense)}
     print(f"GPT {args.layers} x {args.width}, one thread, CPU seconds, median of "
           f"{args.repeats}\n")  # fmt: skip

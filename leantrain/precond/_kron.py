@@ -32,8 +32,8 @@ from leantrain.precond._safeguards import PlainGradient
 from leantrain.precond.curv import (
     CurvatureCollector,
     cholesky_ex,
-    cholesky_inverse,
     damped_cholesky,
+    damped_inverse,
 )
 from leantrain.precond.curv.modules import ModuleOp
 from leantrain.precond.gradient_maker import unwrap_model
@@ -41,32 +41,10 @@ from leantrain.precond.preconditioned import PreconditioningConfig
 
 __all__ = [
     "KronFactorMaker",
-    "damped_inverse",
     "damped_inverses",
     "read_canonical",
     "write_canonical",
 ]
-
-
-def damped_inverse(matrix: Tensor, damping: float) -> Tensor:
-    """``(M + damping I)^{-1}`` for symmetric PSD ``M`` (batched), one Cholesky.
-
-    The fast path of :func:`~leantrain.precond.curv.cholesky_inverse`: factors the
-    damped matrix in its own dtype without the symmetrizing copies (Cholesky reads
-    one triangle), which costs ~40% less on a 256x256 factor; on failure (or a
-    half-precision factor) it falls back to ``cholesky_inverse`` and its fp64 retry.
-    """
-    if matrix.dtype in (torch.float32, torch.float64):
-        damped = matrix.clone()
-        damped.diagonal(dim1=-2, dim2=-1).add_(damping)
-        factor, info = cholesky_ex(damped)
-        if not bool((info != 0).any()):
-            # LAPACK returns the inverse column-major (strides (1, n)); every step
-            # multiplies with it, and oneMKL's GEMM on such an operand ran a K-FAC
-            # apply 1.65x slower (0.56 vs 0.34 ms on a 256-wide layer): one copy
-            # per inversion buys row-major operands for all the steps that reuse it.
-            return torch.cholesky_inverse(factor).contiguous()
-    return cholesky_inverse(matrix, damping)
 
 
 def damped_inverses(
@@ -255,7 +233,7 @@ class KronFactorMaker(FisherMaker):
     def _discard_pass(self) -> None:
         self._captured = {}  # a skipped pass's (X, E) must not reach a later step
 
-    def _plain_gradient(self, *, keep: bool) -> PlainGradient:
+    def _plain_gradient(self, *, keep: bool, norms: bool = True) -> PlainGradient:
         # A captured layer's plain gradient E^T [X, 1] is never formed: it enters
         # as its (X, E).
         index = {name: i for i, (name, _) in enumerate(self.modules())}
@@ -263,7 +241,7 @@ class KronFactorMaker(FisherMaker):
             index[name]: (x, e, len(self.ops[name].params) == 2)
             for name, (x, e) in self._captured.items()
         }
-        return PlainGradient(self._layer_gradients(), factored, keep=keep)
+        return PlainGradient(self._layer_gradients(), factored, keep=keep, norms=norms)
 
     def _unwritten_gradients(self) -> list[Tensor]:
         # Captured layers hold (X, E) instead of .grad until precondition().

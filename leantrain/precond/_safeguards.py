@@ -84,9 +84,13 @@ def layer_dots(layers: list[list[Tensor]], others: list[list[Tensor]]) -> Tensor
     """``<P_l, G_l>`` of each layer's tensors with the other list's, ``(L,)``."""
     flat = [t for layer in layers for t in layer]
     dtype = _accumulation_dtype(flat) if flat else torch.float32
+    # torch.dot of the flattened tensors: no product tensor the size of the layer.
     dots = [
         sum(
-            ((a.to(dtype) * b.to(dtype)).sum() for a, b in zip(la, lb, strict=True)),
+            (
+                torch.dot(a.reshape(-1).to(dtype), b.reshape(-1).to(dtype))
+                for a, b in zip(la, lb, strict=True)
+            ),
             torch.zeros((), dtype=dtype, device=la[0].device if la else None),
         )
         for la, lb in zip(layers, others, strict=True)
@@ -146,6 +150,8 @@ class PlainGradient:
         layers: the ``.grad`` tensors of each layer (empty for a factored one).
         factored: layer index -> ``(X, E, has_bias)``.
         keep: copy the tensors for :meth:`dots`.
+        norms: take the norms (grafting's; the KL clip alone needs none, and
+            ``norms`` is then None).
     """
 
     def __init__(
@@ -154,14 +160,16 @@ class PlainGradient:
         factored: dict[int, tuple[Tensor, Tensor, bool]],
         *,
         keep: bool,
+        norms: bool = True,
     ) -> None:
-        norms = layer_norms(layers)
-        for i, (x, e, has_bias) in factored.items():
-            squares = shortcut_gradient_norm(x, e).square()
-            if has_bias:
-                squares = squares + e.sum(0).to(squares.dtype).square().sum()
-            norms[i] = squares.sqrt()
-        self.norms = norms
+        self.norms: Tensor | None = None
+        if norms:
+            self.norms = layer_norms(layers)
+            for i, (x, e, has_bias) in factored.items():
+                squares = shortcut_gradient_norm(x, e).square()
+                if has_bias:
+                    squares = squares + e.sum(0).to(squares.dtype).square().sum()
+                self.norms[i] = squares.sqrt()
         self._layers = (
             [[t.clone() for t in layer] for layer in layers] if keep else None
         )

@@ -400,7 +400,10 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
             if config.grafting is None and lrs is None:
                 self.precondition()
                 return
-            plain = self._plain_gradient(keep=lrs is not None)
+            # The norms are grafting's; the KL clip needs only the copies.
+            plain = self._plain_gradient(
+                keep=lrs is not None, norms=config.grafting is not None
+            )
             self.precondition()
             layers = self._layer_gradients()
             if config.grafting is not None:
@@ -418,10 +421,14 @@ class PreconditionedGradientMaker(GradientMaker, abc.ABC):
             for _, module in self.modules()
         ]
 
-    def _plain_gradient(self, *, keep: bool) -> _safeguards.PlainGradient:
+    def _plain_gradient(
+        self, *, keep: bool, norms: bool = True
+    ) -> _safeguards.PlainGradient:
         """Each preconditioned module's plain gradient, before :meth:`precondition`
         (makers that keep gradient pieces outside ``.grad`` add theirs)."""
-        return _safeguards.PlainGradient(self._layer_gradients(), {}, keep=keep)
+        return _safeguards.PlainGradient(
+            self._layer_gradients(), {}, keep=keep, norms=norms
+        )
 
     # The learning rate the KL clip assumes: a float or a callable returning the
     # current one (kfac-pytorch's ``lr=``). PreconditionedOptimizer reads each

