@@ -55,7 +55,7 @@ def test_the_step_benchmark_runs_in_quick_mode(quick):
     """gpu_check.sh runs benchmarks/gefen_step.py (its quick layout without CUDA)."""
     out = quick[1].parent / "gefen_step"
     result = json.loads((out / "gefen_step.json").read_text())
-    assert set(result["dtypes"]) == {"float32", "bfloat16"}
+    assert set(result["dtypes"]) == {"float32"}  # bf16 too on CUDA
     assert "Gefen 8-bit (defaults)" in (out / "gefen_step.md").read_text()
 
 
