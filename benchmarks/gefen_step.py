@@ -1,72 +1,233 @@
-"""Gefen's optimizer step on one large fp32 tensor versus torch's AdamW (CPU).
+"""Gefen's whole-model optimizer step against torch's AdamW, on CPU or CUDA.
 
-The codebook is the one Gefen learns from the benchmark's gradient (a learned
-codebook's codes are at least a histogram bin apart, which the kernel's lookup
-relies on for speed, not for exactness).
+Every contender steps its own copy of one model's parameters with the same fixed
+gradients (``opt.step``: everything a training loop pays, the non-finite check,
+the bookkeeping and the kernels):
 
-Prints one table: time per step (median after warm-up), the ratio to AdamW's
-default step and to ``AdamW(fused=True)``, and the peak extra memory
-during the step, for
+* ``torch.optim.AdamW(fused=True)`` (the baseline of every ratio) and
+  ``AdamW(foreach=True)``;
+* Gefen 8-bit and 4-bit with every option at its default, and 8-bit with
+  ``second_moment="blocks"`` (the paper's block-shared ``v``, nearest codes);
+* bitsandbytes ``AdamW8bit`` (CUDA) and torchao ``AdamW8bit`` when importable;
+* ``p.add_(g)`` over the same tensors: the memory-traffic reference, a step that
+  reads p and g and writes p and does nothing else.
 
-* torch AdamW, default (on CPU: the single-tensor loop) and ``fused=True``;
-* Gefen's fused C kernel, 8-bit and 4-bit codes (nearest, and stochastic: the
-  4-bit default), 8-bit and 4-bit stochastic with a factored second moment (the
-  tensor as 1000 columns),
-  fp32 momentum, and 8-bit with
-  a bf16 parameter and gradient (stochastic rounding, the bf16 default);
-* Gefen's chunked PyTorch fallback (8-bit), and the reference step (8-bit).
+Per parameter dtype (fp32 and bf16 parameters and gradients) it reports, each from
+one run: ms per step (the median of the timed steps, after a warm-up step; CUDA
+events on a GPU, the wall or process clock on CPU), the ratio to fused AdamW's,
+state bytes per parameter (``bytes_per_param``), the effective bandwidth and its
+ratio to ``p.add_(g)``'s, the peak extra memory of one step as a fraction of the
+parameter bytes, and the first step's time, cold and warm. Cold is the first step
+of that kind of optimizer in the process (on CUDA: Triton compiling, a codebook
+learned, every state allocated); warm is a second optimizer's first step on the
+same parameters (kernels cached; the state is still built).
 
-Peak extra memory is the growth of the process's peak resident set during one step:
-``echo 5 > /proc/self/clear_refs`` resets VmHWM to the current RSS, the step runs,
-and VmHWM - VmRSS(before) is what the step's temporaries touched (Linux only;
-``malloc_trim`` first returns freed heap pages, so reused ones count too; the
-state already exists, so it is not counted). It is also given as a fraction of the
-parameter's bytes.
+Bandwidth is nominal bytes moved / time: the tensors a step must touch, once each.
+AdamW reads p, g, m, v and writes p, m, v (28 bytes per fp32 parameter);
+``p.add_(g)`` reads p, g and writes p (12); Gefen reads p, g and every state tensor
+and writes p and every state tensor (8-bit: 4 + 4 + 1 + 4 + 1 = 14 bytes plus the
+block scales), and a factored second moment reads g once more for its row and
+column sums. A step faster than ``p.add_(g)``'s bandwidth would mean the count is
+wrong; one far below it is compute- or overhead-bound.
 
-Then the first-call cost of the kernel: building it into an empty cache (compile),
-and loading it from a warm cache (hash + dlopen).
+Peak extra memory: on CUDA ``torch.cuda.max_memory_allocated`` over the step minus
+the allocation before it; on Linux CPUs the growth of the process's peak resident
+set (``/proc/self/clear_refs`` resets it; ``malloc_trim`` first returns freed heap
+pages, so reused ones count too); n/a elsewhere. The state exists already, so it
+is not counted.
+
+Contenders run round-robin, one step of each per round, so the changing load of a
+shared machine hits them alike; the load average is printed beside the table.
 
 Usage::
 
-    python benchmarks/gefen_step.py                 # 25M elements, 2 threads
-    python benchmarks/gefen_step.py --numel 4000000 --threads 1 --repeats 9
-    python benchmarks/gefen_step.py --threads 1 --clock cpu   # on a busy machine
-    python benchmarks/gefen_step.py --model stack --threads 2 --repeats 9
-    python benchmarks/gefen_step.py --model gpt --threads 1 --repeats 31
+    python benchmarks/gefen_step.py --device cuda --out gefen_step/  # GPT-2 small
+    python benchmarks/gefen_step.py --quick                     # tiny, CPU, seconds
+    OMP_NUM_THREADS=1 python benchmarks/gefen_step.py --model stack --threads 1 \\
+        --repeats 7 --clock cpu --dtypes float32
+    python benchmarks/gefen_step.py --model gpt --threads 1 --repeats 21
 
-``--model stack`` (a 29.3 M-parameter transformer-like stack) and ``--model gpt``
-(GPT.default(), about 60 small tensors) time whole-model ``opt.step`` calls instead:
-Gefen 8-bit and 4-bit at their defaults against both AdamWs, with each step's
-effective bandwidth beside a ``p.add_(g)`` over the same tensors (see
-``gefen_step_models.py``). ``LEANTRAIN_NO_NATIVE=1`` times the PyTorch fallback.
+Models: ``gpt2`` (the default: GPT-2 small's 148 tensors, 124.4 M parameters:
+50257 x 768 and 1024 x 768 embeddings, 12 x [2304 x 768, 768 x 768, 3072 x 768,
+768 x 3072, biases, LayerNorms]), ``stack`` (29.3 M parameters in 19 tensors: an
+embedding and three MLP blocks) and ``gpt`` (``GPT.default()``, 0.87 M in 61).
+``--quick`` is GPT-2's layout at width 64, two layers, a 512-token vocabulary.
+``LEANTRAIN_NO_NATIVE=1`` times Gefen's PyTorch fallback on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import math
 import os
 import statistics
-import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from leantrain.optim import _fused, _native
-from leantrain.optim._options import StepOptions
-from leantrain.optim._state import new_state
-from leantrain.optim._step import reference_step
-from leantrain.optim._torch_step import torch_step
-from leantrain.optim.codebook import histogram, learn_codebook, with_exact_zero
-from leantrain.optim.factored import factor_shape
+from leantrain.optim import Gefen, bytes_per_param
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gefen_step_models  # noqa: E402
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+BASELINE = "AdamW(fused=True)"
+FLOOR = "p.add_(g) (traffic reference)"
 
-HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+# ------------------------------------------------------------------------- shapes
+def gpt2_shapes(
+    layers: int = 12, width: int = 768, vocab: int = 50257, context: int = 1024
+) -> list[tuple[int, ...]]:
+    """GPT-2's parameter shapes (``nn.Linear`` layout, out x in); the defaults are
+    GPT-2 small's: 148 tensors, 124,439,808 parameters."""
+    block = [
+        (width,), (width,),  # ln_1
+        (3 * width, width), (3 * width,),  # attention qkv
+        (width, width), (width,),  # attention projection
+        (width,), (width,),  # ln_2
+        (4 * width, width), (4 * width,),  # mlp in
+        (width, 4 * width), (width,),  # mlp out
+    ]  # fmt: skip
+    return [(vocab, width), (context, width), *block * layers, (width,), (width,)]
+
+
+def stack_shapes() -> list[tuple[int, ...]]:
+    """A 29.3 M-parameter transformer-like stack: an embedding and three MLP blocks
+    with a LayerNorm each (the shapes, not the forward, matter here)."""
+    block = [(4096, 1024), (4096,), (1024, 4096), (1024,), (1024,), (1024,)]
+    return [(4000, 1024), *block * 3]
+
+
+def gpt_default_shapes() -> list[tuple[int, ...]]:
+    """leantrain's ``GPT.default()`` (0.87 M parameters in 61 tensors)."""
+    from leantrain.models.gpt import GPT
+
+    return [tuple(p.shape) for p in GPT.default().parameters()]
+
+
+MODELS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
+    "gpt2": gpt2_shapes,
+    "stack": stack_shapes,
+    "gpt": gpt_default_shapes,
+}
+
+
+def quick_shapes() -> list[tuple[int, ...]]:
+    return gpt2_shapes(layers=2, width=64, vocab=512, context=64)
+
+
+# ---------------------------------------------------------------------- contenders
+def contenders(device: torch.device) -> dict[str, Callable | None]:
+    """Name -> optimizer factory (None: ``p.add_(g)``); peers only when importable."""
+    makers: dict[str, Callable | None] = {
+        BASELINE: lambda ps: torch.optim.AdamW(ps, **HYPER, fused=True),
+        "AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, **HYPER, foreach=True),
+        "Gefen 8-bit (defaults)": lambda ps: Gefen(ps, **HYPER),
+        "Gefen 4-bit (defaults)": lambda ps: Gefen(ps, **HYPER, momentum_bits=4),
+        "Gefen 8-bit, blocks v": lambda ps: Gefen(ps, **HYPER, second_moment="blocks"),
+    }
+    if device.type == "cuda":
+        try:
+            import bitsandbytes as bnb
+
+            makers["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(
+                ps, **HYPER
+            )
+        except ImportError:
+            pass
+    try:
+        from torchao.optim import AdamW8bit
+
+        makers["torchao AdamW8bit"] = lambda ps: AdamW8bit(ps, **HYPER)
+    except ImportError:
+        pass
+    makers[FLOOR] = None
+    return makers
+
+
+class _AddStep:
+    """``p.add_(g)`` over every parameter, shaped like an optimizer."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            p.add_(p.grad)
+
+
+def make_params(shapes, dtype, device, seed: int = 0) -> list[torch.nn.Parameter]:
+    """Parameters with fixed gradients (every step sees the same), one generator."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(
+            (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)
+        )
+        p.grad = (torch.randn(shape, generator=g, device=device) * 1e-2).to(dtype)
+        params.append(p)
+    return params
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the per-parameter state a step reads and writes (scalars and the
+    shared codebook left out)."""
+    total = 0
+    for state in opt.state.values():
+        for key, t in state.items():
+            if torch.is_tensor(t) and t.numel() > 1 and key != "codebook":
+                total += t.numel() * t.element_size()
+    return total
+
+
+def nominal_bytes(params, opt: torch.optim.Optimizer | None) -> int:
+    """Bytes one step must move (see the module docstring)."""
+    p_bytes = sum(p.numel() * p.element_size() for p in params)
+    g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params)
+    if opt is None:
+        return 2 * p_bytes + g_bytes
+    factored = sum(
+        p.grad.numel() * p.grad.element_size()
+        for p, state in opt.state.items()
+        if "factored" in state
+    )
+    return 2 * p_bytes + g_bytes + 2 * _state_bytes(opt) + factored
+
+
+# ----------------------------------------------------------------------- measuring
+class Clock:
+    """Seconds of one call: CUDA events on a GPU, else ``time_fn`` (wall or the
+    process's CPU time)."""
+
+    def __init__(self, device: torch.device, time_fn=time.perf_counter) -> None:
+        self.cuda = device.type == "cuda"
+        self.time_fn = time_fn
+
+    def wall(self, fn: Callable[[], object]) -> float:
+        """Wall seconds of a call, the device's queue drained before and after
+        (for a first step, whose host work is part of its cost)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def time(self, fn: Callable[[], object]) -> float:
+        if not self.cuda:
+            start = self.time_fn()
+            fn()
+            return self.time_fn() - start
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 def _status_kib(key: str) -> int:
@@ -77,279 +238,186 @@ def _status_kib(key: str) -> int:
     raise KeyError(key)
 
 
-def _release_free_memory() -> None:
-    # Freed heap pages stay resident and would hide a step's temporaries when
-    # reused; glibc's malloc_trim gives them back first.
-    try:
+def peak_extra_bytes(step: Callable[[], object], device: torch.device) -> int | None:
+    """Bytes one call adds at its peak over what was allocated before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(device) - before
+    try:  # freed heap pages stay resident and would hide reused temporaries
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def peak_extra_bytes(fn) -> int | None:
-    """Bytes of resident memory a call adds at its peak (None off Linux)."""
-    _release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before = _status_kib("VmRSS:")
     except OSError:
-        fn()
         return None
-    fn()
+    step()
     return max(0, _status_kib("VmHWM:") - before) * 1024
 
 
-# time.perf_counter (wall) or time.process_time (CPU seconds of this process: with
-# --threads 1 on a shared machine it leaves out the time other processes ran)
-CLOCK = time.perf_counter
+def measure(shapes, dtype, device, *, repeats: int, budget_s: float, clock) -> list:
+    """One row per contender for parameters of ``dtype``; ratios from this run."""
+    entries = []
+    for name, make in contenders(device).items():
+        params = make_params(shapes, dtype, device)
+        if make is None:
+            opt, stepper = None, _AddStep(params)
+            cold = warm = None
+        else:
+            cold = clock.wall(make(params).step)  # first of its kind in the process
+            opt = make(params)  # a second optimizer: warm kernels, a fresh state
+            warm = clock.wall(opt.step)
+            stepper = opt
+        entries.append([name, params, opt, stepper, cold, warm, []])
+    started = time.perf_counter()
+    for round_ in range(repeats + 1):  # round 0 is the warm-up
+        for entry in entries:
+            seconds = clock.time(entry[3].step)
+            if round_:
+                entry[6].append(seconds)
+        if round_ >= 3 and time.perf_counter() - started > budget_s:
+            break
+    rows = []
+    for name, params, opt, stepper, cold, warm, times in entries:
+        n = sum(p.numel() for p in params)
+        seconds = statistics.median(times)
+        extra = peak_extra_bytes(stepper.step, device)
+        p_bytes = n * params[0].element_size()
+        rows.append(
+            {
+                "optimizer": name,
+                "ms_per_step": seconds * 1e3,
+                "timed_steps": len(times),
+                "state_bytes_per_param": None if opt is None else bytes_per_param(opt),
+                "gb_per_s": nominal_bytes(params, opt) / seconds / 1e9,
+                "peak_extra_x_param_bytes": None if extra is None else extra / p_bytes,
+                "first_step_cold_ms": None if cold is None else cold * 1e3,
+                "first_step_warm_ms": None if warm is None else warm * 1e3,
+            }
+        )
+    base = next(r["ms_per_step"] for r in rows if r["optimizer"] == BASELINE)
+    floor = next(r["gb_per_s"] for r in rows if r["optimizer"] == FLOOR)
+    for r in rows:
+        r["x_fused_adamw"] = r["ms_per_step"] / base
+        r["x_add_bandwidth"] = r["gb_per_s"] / floor
+    return rows
 
 
-def timed(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = CLOCK()
-        fn()
-        times.append(CLOCK() - start)
-    return statistics.median(times)
+# ------------------------------------------------------------------------- report
+def _cell(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
 
 
-def learned_codebook(grad: torch.Tensor, period: int, bits: int) -> torch.Tensor:
-    """The codebook Gefen learns from this gradient (as on its first step)."""
-    return learn_codebook(histogram(grad, period), 2**bits)
-
-
-def gefen_case(
-    numel: int,
-    period: int,
-    bits: int | None,
-    step_fn,
-    dtype=torch.float32,
-    factored: bool = False,
-):
-    shape = (numel // 1000, 1000) if factored else (numel,)  # factored: 1000 columns
-    param = torch.randn(shape, dtype=dtype)
-    grad = torch.randn(shape, dtype=dtype)
-    cb = learned_codebook(grad.float().reshape(-1), period, bits) if bits else None
-    if factored:
-        cb = with_exact_zero(cb)
-    factors = factor_shape(shape) if factored else None
-    state = new_state(param, period, bits, cb, factors)
-
-    def step():
-        step_fn(param, grad, state, **HYPER, maximize=False)
-
-    return step
-
-
-def fused_with(**options):
-    """The fused step with ``fused_step`` options added to every call."""
-
-    def step(param, grad, state, **hyper):
-        _fused.fused_step(param, grad, state, **hyper, **options)
-
-    return step
-
-
-# Codes rounded stochastically: Gefen's default for 4-bit momentum
-# (momentum_rounding="auto"), momentum_rounding="stochastic" for 8-bit; with
-# update_clip=1 too, the 4-bit default on a factored matrix (update_clip="auto");
-# update_clip=1 alone on 8-bit blocks shows the clamp.
-stochastic_codes_step = fused_with(stochastic_codes=True, seed=1)
-default_4bit_step = fused_with(stochastic_codes=True, seed=1, update_clip=1.0)
-clipped_step = fused_with(update_clip=1.0)
-
-
-def torch_fallback(param, grad, state, **hyper):
-    """The PyTorch fallback, forced even where the kernel could run."""
-    state["step"] += 1
-    h = StepOptions(**hyper).scalars(float(state["step"]))
-    torch_step(param, grad, state, h)
-
-
-def adamw_case(numel: int, fused: bool):
-    param = torch.nn.Parameter(torch.randn(numel))
-    param.grad = torch.randn(numel)
-    opt = torch.optim.AdamW(
-        [param],
-        lr=HYPER["lr"],
-        betas=(HYPER["beta1"], HYPER["beta2"]),
-        eps=HYPER["eps"],
-        weight_decay=HYPER["weight_decay"],
-        fused=fused or None,  # None: torch's CPU default (single-tensor loop)
+def markdown(result: dict) -> str:
+    """The tables of one run, one per dtype."""
+    lines = [
+        f"{result['model']}: {result['parameters']:,} parameters in "
+        f"{result['tensors']} tensors on {result['device']} (torch "
+        f"{result['torch']}, {result['threads']} threads); median of up to "
+        f"{result['repeats']} round-robin steps; load average "
+        f"{result['load_before']:.1f} before, {result['load_after']:.1f} after.",
+        "",
+    ]
+    header = (
+        "| optimizer | ms/step | x fused AdamW | state B/param | GB/s | x add_ GB/s "
+        "| peak extra x param bytes | first step cold ms | warm ms |"
     )
-    opt.step()  # creates the state
-    return opt.step
+    for dtype, rows in result["dtypes"].items():
+        lines += [f"**{dtype} parameters**", "", header, "|" + "---|" * 9]
+        for r in rows:
+            cells = [
+                r["optimizer"],
+                _cell(r["ms_per_step"], ".2f"),
+                _cell(r["x_fused_adamw"], ".2f"),
+                _cell(r["state_bytes_per_param"], ".3f"),
+                _cell(r["gb_per_s"], ".1f"),
+                _cell(r["x_add_bandwidth"], ".2f"),
+                _cell(r["peak_extra_x_param_bytes"], ".3f"),
+                _cell(r["first_step_cold_ms"], ".1f"),
+                _cell(r["first_step_warm_ms"], ".1f"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
-def first_call_times() -> tuple[float, float]:
-    """(build into an empty cache, load from the warm cache), in seconds."""
-    saved = os.environ.get("LEANTRAIN_CACHE")
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["LEANTRAIN_CACHE"] = tmp
-        try:
-            times = []
-            for _ in range(2):
-                _native._tried, _native._library = False, None
-                start = time.perf_counter()
-                assert _native.load() is not None, _native.status()
-                times.append(time.perf_counter() - start)
-        finally:
-            if saved is None:
-                del os.environ["LEANTRAIN_CACHE"]
-            else:
-                os.environ["LEANTRAIN_CACHE"] = saved
-            _native._tried, _native._library = False, None
-            _native.load()
-    return times[0], times[1]
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    shapes = quick_shapes() if args.quick else MODELS[args.model]()
+    cpu_clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = Clock(device, cpu_clock)
+    load_before = os.getloadavg()[0]
+    dtypes = {
+        name: measure(
+            shapes,
+            getattr(torch, name),
+            device,
+            repeats=args.repeats,
+            budget_s=args.budget_s,
+            clock=clock,
+        )
+        for name in args.dtypes.split(",")
+    }
+    return {
+        "model": "gpt2 (quick)" if args.quick else args.model,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "clock": "cuda events" if device.type == "cuda" else args.clock,
+        "parameters": sum(math.prod(s) for s in shapes),
+        "tensors": len(shapes),
+        "repeats": args.repeats,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "dtypes": dtypes,
+    }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=25_000_000)
-    parser.add_argument("--period", type=int, default=5000, help="block length p")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
+    parser.add_argument("--quick", action="store_true", help="tiny GPT-2 layout")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps at most")
     parser.add_argument(
-        "--slow-repeats", type=int, default=1, help="for the fallback and reference"
+        "--budget-s", type=float, default=60.0, help="stop after 3 rounds past it"
     )
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
-        help="cpu: process CPU time (use with --threads 1 on a busy machine)",
+        help="CPU only: cpu is process CPU time (with --threads 1 on a busy machine)",
     )
-    parser.add_argument(
-        "--model",
-        choices=("tensor", *gefen_step_models.MODELS),
-        default="tensor",
-        help="tensor: one large tensor, every kernel option; stack, gpt: whole-model "
-        "opt.step with the bandwidth reference",
-    )
-    args = parser.parse_args()
-    global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    torch.set_num_threads(args.threads)
-    if args.model != "tensor":
-        print(
-            f"torch {torch.__version__}, {args.clock} clock, Gefen backend: "
-            f"{_fused.backend()} ({_native.status()})"
-        )
-        gefen_step_models.run(args.model, args.repeats, CLOCK, peak_extra_bytes)
-        return
-    n, p = args.numel, args.period
-    print(
-        f"one fp32 tensor of {n:,} elements, period {p}, {args.threads} threads, "
-        f"{args.clock} clock, "
-        f"torch {torch.__version__}, Gefen backend: {_fused.backend()} "
-        f"({_native.status()})"
-    )
-    # (name, make the step, slow): slow steps run once, without a warm-up call
-    cases = [
-        ("torch AdamW (default)", lambda: adamw_case(n, False), False),
-        ("torch AdamW (fused=True)", lambda: adamw_case(n, True), False),
-        ("Gefen fused C, 8-bit", lambda: gefen_case(n, p, 8, _fused.fused_step), False),
-        (
-            "Gefen fused C, 4-bit, nearest",
-            lambda: gefen_case(n, p, 4, _fused.fused_step),
-            False,
-        ),
-        (
-            "Gefen fused C, 4-bit, stochastic codes",
-            lambda: gefen_case(n, p, 4, stochastic_codes_step),
-            False,
-        ),
-        (
-            "Gefen fused C, 8-bit, stochastic codes",
-            lambda: gefen_case(n, p, 8, stochastic_codes_step),
-            False,
-        ),
-        (
-            "Gefen fused C, 8-bit, factored v",
-            lambda: gefen_case(n, p, 8, _fused.fused_step, factored=True),
-            False,
-        ),
-        (
-            "Gefen fused C, 4-bit, stochastic, factored v",
-            lambda: gefen_case(n, p, 4, stochastic_codes_step, factored=True),
-            False,
-        ),
-        (
-            "Gefen fused C, 4-bit default (+ clip)",
-            lambda: gefen_case(n, p, 4, default_4bit_step, factored=True),
-            False,
-        ),
-        (
-            "Gefen fused C, 8-bit, clipped",
-            lambda: gefen_case(n, p, 8, clipped_step),
-            False,
-        ),
-        (
-            "Gefen fused C, fp32 m",
-            lambda: gefen_case(n, p, None, _fused.fused_step),
-            False,
-        ),
-        (
-            "Gefen fused C, 8-bit, bf16 (SR)",
-            lambda: gefen_case(n, p, 8, _fused.fused_step, torch.bfloat16),
-            False,
-        ),
-        (
-            "Gefen torch fallback, 8-bit",
-            lambda: gefen_case(n, p, 8, torch_fallback),
-            True,
-        ),
-        (
-            "Gefen reference_step, 8-bit",
-            lambda: gefen_case(n, p, 8, reference_step),
-            True,
-        ),
-    ]
-    # Fast steps run round-robin (one of each per round), so a shared machine's
-    # changing load hits them alike and their ratios stay meaningful.
-    fast = [(name, make()) for name, make, slow in cases if not slow]
-    times: dict[str, list[float]] = {name: [] for name, _ in fast}
-    for round_ in range(args.repeats + 1):  # round 0 is the warm-up
-        for name, step in fast:
-            seconds = timed(step, 1, warmup=0)
-            if round_:
-                times[name].append(seconds)
-    rows = [
-        (name, statistics.median(times[name]), peak_extra_bytes(step))
-        for name, step in fast
-    ]
-    del fast
-    for name, make, slow in cases:
-        if slow and args.slow_repeats > 0:  # 0 skips the slow steps
-            step = make()
-            seconds = timed(step, args.slow_repeats, warmup=0)
-            rows.append((name, seconds, peak_extra_bytes(step)))
-            del step
-    base, fused = rows[0][1], rows[1][1]
-    param_bytes = 4 * n
-    width = max(len(name) for name, *_ in rows)
-    header = (
-        f"{'step':{width}s} {'ms/step':>9s} {'/AdamW':>7s} {'/fused':>7s} "
-        f"{'peak extra MiB':>15s} {'x param':>8s}"
-    )
-    print(header)
-    print("-" * len(header))
-    for name, seconds, extra in rows:
-        mib = "n/a" if extra is None else f"{extra / 2**20:.1f}"
-        frac = "n/a" if extra is None else f"{extra / param_bytes:.3f}"
-        print(
-            f"{name:{width}s} {seconds * 1e3:9.1f} {seconds / base:7.2f} "
-            f"{seconds / fused:7.2f} {mib:>15s} {frac:>8s}"
-        )
-    cold, warm = first_call_times()
-    print(
-        f"kernel first use: build into an empty cache {cold:.2f} s, "
-        f"load from the warm cache {warm * 1e3:.1f} ms"
-    )
-    bytes_gefen = n + 4 * math.ceil(n / p) * 2
-    print(f"state bytes: AdamW {8 * n:,}; Gefen 8-bit {bytes_gefen:,}")
+    parser.add_argument("--out", type=Path, default=None, help="write .md and .json")
+    args = parser.parse_args(argv)
+    for name in args.dtypes.split(","):
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            parser.error(f"--dtypes: {name!r} is not a torch dtype (float32, bfloat16)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run(args)
+    text = markdown(result)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gefen_step.md").write_text(text)
+        (args.out / "gefen_step.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def test_compare_gpt_on_a_text_file_same_data_order(tmp_path, capsys):
     assert "GPT.default()" in record["settings"] and str(text) in record["settings"]
     a, g = record["results"]
     assert a["train_losses"][0] == g["train_losses"][0]
-    # Gefen with fp32 momentum keeps one v per block: between 4 and 8 B/param.
+    # Gefen with fp32 momentum: 4 B of momentum plus factors or blocks: under 8.
     assert 4.0 <= g["state_bytes_per_param"] < 8.0
     assert all(r["val_loss"] > 0 and r["step_ms"] > 0 for r in record["results"])
 

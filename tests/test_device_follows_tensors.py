@@ -98,11 +98,6 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
         "zeros",
     ): "a placeholder codebook in the saved layout of an fp32-momentum parameter",
     (
-        "optim/_first_codebook.py",
-        "learn_first_codebook",
-        "zeros",
-    ): "the first step's histogram feeds the host-side 1-D k-means",
-    (
         "optim/_muon_state.py",
         "check_muon_state",
         "zeros",
@@ -112,11 +107,6 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
     ("optim/_quant_table.py", "_interval_entry", "arange"): _CODEBOOK,
     ("optim/_quant_table.py", "_interval_entry", "full"): _CODEBOOK,
     ("optim/_quant_table.py", "_interval_entry", "tensor"): _CODEBOOK,
-    (
-        "optim/_reducible_partition.py",
-        "choose_period",
-        "tensor",
-    ): "a flag moved to the gradient's device before the reduction",
     (
         "optim/_sharded.py",
         "block_lengths",

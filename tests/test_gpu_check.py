@@ -51,6 +51,14 @@ def test_the_gpu_suite_is_collected_without_cuda(quick):
     assert f"{suite['collected']} tests collected" in md.read_text()
 
 
+def test_the_step_benchmark_runs_in_quick_mode(quick):
+    """gpu_check.sh runs benchmarks/gefen_step.py (its quick layout without CUDA)."""
+    out = quick[1].parent / "gefen_step"
+    result = json.loads((out / "gefen_step.json").read_text())
+    assert set(result["dtypes"]) == {"float32"}  # bf16 too on CUDA
+    assert "Gefen 8-bit (defaults)" in (out / "gefen_step.md").read_text()
+
+
 def test_every_section_reports_and_the_markdown_shows_it(quick):
     report, md = quick
     text = md.read_text()

@@ -33,7 +33,9 @@ def test_readme_examples_run(capsys):
         spaces.append(namespace)
     out = capsys.readouterr().out
     bytes_per_param = float(re.search(r"([\d.]+) bytes of optimizer state", out)[1])
-    assert bytes_per_param < 1.05  # the memory example: Gefen 8-bit, AdamW's is 8
+    # the memory example: Gefen 8-bit, every matrix factored (1.055 on GPT.default());
+    # AdamW's is 8
+    assert bytes_per_param < 1.06
     _assert_falls(spaces[0]["losses"], "memory")
     _assert_falls(spaces[1]["losses"], "curvature")
     residuals = spaces[2]["model"].stack.stats.forward.history

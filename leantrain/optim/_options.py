@@ -26,7 +26,7 @@ from torch import Tensor
 # _dist's DTensor predicates, from the leaf below it (_dist imports the step's
 # math, which imports this module); the name keeps second_moment_of's text as is.
 from . import _dtensor as _dist
-from .factored import factor_shape, factors_are_small
+from .factored import factor_shape
 
 __all__ = [
     "AUTO_UPDATE_CLIP",
@@ -185,13 +185,13 @@ def second_moment_of(group: dict, param: Tensor, state: dict | None = None) -> s
 
     The group's ``second_moment`` when it names one. ``"auto"`` is "factored" with
     ``partition="auto"`` on a parameter that factors (two or more dims, both sides
-    >= 2) and is not FSDP2-sharded: always for 4-bit momentum (the factors fit the
-    0.56 B/param budget and close most of the quality gap of blocks), and for 8-bit
-    or fp32 momentum where the factors cost at most 1/32 byte per element
-    (:func:`factored.factors_are_small`; docs/gefen.md, "Factored second moment").
-    "blocks" otherwise. Once a state exists, "auto" is what that state holds, so a
-    checkpoint made with either layout resumes as it was. A group without the key
-    (a checkpoint from before the option) has blocks.
+    >= 2) and is not FSDP2-sharded, whatever the momentum's precision: the factors
+    follow each input's and each output's scale where a block mixes them, which
+    closes most of the quality gap of blocks at a few hundredths of a byte per
+    element (docs/gefen.md, "Factored second moment"). "blocks" otherwise (vectors,
+    an explicit partition, sharded parameters). Once a state exists, "auto" is what
+    that state holds, so a checkpoint made with either layout resumes as it was. A
+    group without the key (a checkpoint from before the option) has blocks.
     """
     chosen = group.get("second_moment", "blocks")
     if chosen != "auto":
@@ -203,7 +203,6 @@ def second_moment_of(group: dict, param: Tensor, state: dict | None = None) -> s
         shape is not None
         and group["partition"] == "auto"
         and not _dist.is_sharded(param)
-        and (group["momentum_bits"] == 4 or factors_are_small(*shape))
     )
     return "factored" if factors else "blocks"
 

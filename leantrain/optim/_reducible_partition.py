@@ -73,9 +73,10 @@ def square_sum_parts(flat: Tensor) -> Tensor:
     return parts
 
 
-def exact_square_sum(parts: Tensor) -> float:
-    """Correctly rounded :math:`\\sum g^2` from (reduced) :func:`square_sum_parts`."""
-    hi, lo = (row.tolist() for row in parts.cpu())
+def exact_square_sum(parts: Tensor | np.ndarray) -> float:
+    """Correctly rounded :math:`\\sum g^2` from (reduced) :func:`square_sum_parts`
+    (a tensor, or its values already read on the host)."""
+    hi, lo = parts.cpu().tolist() if isinstance(parts, Tensor) else parts.tolist()
     total = Fraction(0)
     for k in range(N_BUCKETS):
         if hi[k] or lo[k]:
@@ -155,19 +156,28 @@ def choose_period(
     if n <= 1:
         return 1
     flat = local.detach().reshape(-1)
-    bad = torch.tensor([0 if bool(torch.isfinite(flat).all()) else 1])
-    if int(reduce_sum(bad.to(flat.device))[0]):
-        raise ValueError("g holds NaN or infinite values; cannot choose a period")
     cands = candidate_periods(tuple(shape))
     if len(cands) == 1:
+        # still refuse a non-finite gradient, as every other period choice does
+        bad = (~torch.isfinite(flat)).any().to(torch.int64).view(1)
+        if reduce_sum(bad).cpu().numpy()[0]:
+            raise ValueError("g holds NaN or infinite values; cannot choose a period")
         return cands[0]
-    mean_sq = exact_square_sum(reduce_sum(square_sum_parts(flat))) / n
+    # The first read on the host: the exact pieces of sum g^2 and the count of
+    # non-finite values, reduced together (one collective, one transfer).
+    bad = (~torch.isfinite(flat)).sum().view(1)
+    parts = torch.cat([square_sum_parts(flat).view(-1), bad])
+    stats = reduce_sum(parts).cpu().numpy()
+    if stats[-1]:
+        raise ValueError("g holds NaN or infinite values; cannot choose a period")
+    mean_sq = exact_square_sum(stats[:-1].reshape(2, N_BUCKETS)) / n
     tiny = max(1e-8 * mean_sq, 1e-38)
     centre = math.log(mean_sq + tiny)
     inner = [p for p in cands if p < n]
     if not inner:
         return max(cands)
     unit = math.gcd(*inner)
+    # The second and last: the per-unit sums; the scores are host arithmetic on them.
     sums = reduce_sum(unit_sums(flat, start, n, unit, tiny, centre)).cpu().numpy()
     s = scale_bits(unit)
     s1 = sums[0].astype(np.float64) / float(1 << s)

@@ -67,6 +67,7 @@ __all__ = [
     "bin_centres",
     "codebook_cost",
     "histogram",
+    "histogram_on_device",
     "learn_codebook",
     "learn_codebook_reference",
     "with_exact_zero",
@@ -102,22 +103,44 @@ def histogram(x: Tensor, period: int, bins: int = 4096) -> Tensor:
         raise TypeError(f"x must be a floating-point tensor, got {_describe(x)}")
     _check_int("period", period, 1)
     _check_int("bins", bins, 2)
+    counts, finite = histogram_on_device(x, period, bins)
+    if not bool(finite):
+        raise ValueError("x holds NaN or infinite values; cannot build a histogram")
+    return counts
+
+
+def histogram_on_device(
+    x: Tensor, period: int, bins: int = 4096
+) -> tuple[Tensor, Tensor]:
+    """:func:`histogram` without its read on the host: the counts and a 0-dim bool
+    "every value finite", both on ``x``'s device (the counts are not meaningful
+    when it is False). Gefen's first step sums these over all its parameters and
+    reads the sum and the flags back once (``_first_codebook``).
+
+    ``period`` and ``bins`` are not checked: callers pass valid ints.
+    """
     flat = x.detach().reshape(-1)
     counts = torch.zeros(bins, dtype=torch.float64, device=flat.device)
     if flat.numel() == 0:
-        return counts
+        return counts, torch.ones((), dtype=torch.bool, device=flat.device)
     absmax = block_absmax(flat, period)
-    if not bool(torch.isfinite(absmax).all()):
-        raise ValueError("x holds NaN or infinite values; cannot build a histogram")
+    finite = torch.isfinite(absmax).all()
     # An all-zero block divides by 1: its zeros stay zeros.
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     half = bins / 2.0
+    one = torch.ones(1, dtype=torch.float64, device=flat.device)
     for start, rows, cols, block in _pieces(flat.numel(), period, CHUNK_ELEMENTS):
         piece = flat[start : start + rows * cols].view(rows, cols).float()
         u = piece / scale[block : block + rows, None]  # exact: the absmax gives +-1
-        idx = u.add_(1.0).mul_(half).floor_().clamp_(0, bins - 1).long()
-        counts += torch.bincount(idx.view(-1), minlength=bins).to(torch.float64)
-    return counts
+        # NaN would make an undefined index; 0 keeps bincount in range until the
+        # caller reads the flag and raises
+        u = torch.nan_to_num_(u, nan=0.0)
+        idx = u.add_(1.0).mul_(half).floor_().clamp_(0, bins - 1).long().view(-1)
+        if flat.device.type == "cpu":
+            counts += torch.bincount(idx, minlength=bins).to(torch.float64)
+        else:  # bincount sizes its output from the largest index: a host read there
+            counts.index_add_(0, idx, one.expand(idx.numel()))
+    return counts, finite
 
 
 def bin_centres(bins: int) -> np.ndarray:

@@ -49,7 +49,6 @@ __all__ = [
     "factor_means",
     "factor_shape",
     "factored_denominator",
-    "factors_are_small",
     "mean_column",
     "torch_factor_means",
     "update_factors",
@@ -71,19 +70,6 @@ def factor_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     if rows < 2 or cols < 2:
         return None
     return rows, cols
-
-
-def factors_are_small(rows: int, cols: int) -> bool:
-    """True when the factors of an ``rows x cols`` matrix cost at most 1/32 byte per
-    element (``4 (R + C) <= R C / 32``).
-
-    Why: ``second_moment="auto"`` factors every matrix for 4-bit momentum, but with
-    8-bit or fp32 momentum only the matrices whose factors are this cheap, so the
-    8-bit state stays within about 1.05 bytes per parameter. On the long run those
-    are the MLP and attention matrices whose block-shared ``v`` costs the quality
-    (docs/gefen.md, "Factored second moment"); small matrices keep blocks.
-    """
-    return 4 * (rows + cols) * 32 <= rows * cols
 
 
 def check_second_moment(value: object) -> None:

@@ -129,11 +129,9 @@ class Gefen(GefenBase):
             "factored" (for parameters with two or more dims, Adafactor's row and
             column factors of :math:`g^2`, viewed as ``shape[0] x rest``; the
             momentum's absmax keeps its blocks; 1-D parameters keep blocks) or
-            "auto" (with ``partition="auto"``): factored for every matrix with 4-bit
-            momentum and, with 8-bit or fp32 momentum, for the matrices whose
-            factors cost at most 1/32 byte per element (``4 (R + C) <= R C / 32``);
-            blocks otherwise, and for FSDP2-sharded parameters, which cannot factor
-            yet. Factors close most of the gap to AdamW that a block-shared ``v``
+            "auto" (with ``partition="auto"``): factored for every parameter with two
+            or more dims (both sides >= 2), whatever the momentum bits; blocks for
+            1-D tensors and for FSDP2-sharded parameters, which cannot factor yet. Factors close most of the gap to AdamW that a block-shared ``v``
             leaves (a 2,000-step GPT, 8-bit: 1.020x -> 1.003x AdamW's validation
             loss; an MLP on raw pixels: 1.16x -> 1.01x). May be set per param
             group. See docs/gefen.md.

@@ -193,9 +193,14 @@ def dcp_load(model, opt, path: str) -> None:
     )
 
 
+# Checkpoints that cross world sizes hold the layout every world size has: blocks (a
+# one-process "auto" factors every matrix, which FSDP2 shards cannot hold).
+DCP_SECOND_MOMENT = "blocks"
+
+
 def build(world: int, bits: int | None = 8):
     model = shard(make_model()) if world > 1 else make_model()
-    return model, make_optimizer(model, bits)
+    return model, make_optimizer(model, bits, DCP_SECOND_MOMENT)
 
 
 def resume(world: int, rank: int, path: str, bits: int | None = 8):

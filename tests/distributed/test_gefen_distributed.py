@@ -62,8 +62,8 @@ def check_training(results: list[dict], world: int) -> None:
         train = out["train"]
         for bits in (8, 4):
             for kind in ("ddp", "fsdp"):
-                # the 4-bit default factors whole matrices (DDP, one process) but
-                # keeps blocks for FSDP2 shards (a column factor spans the ranks)
+                # the defaults factor whole matrices (DDP, one process) but keep
+                # blocks for FSDP2 shards (a column factor spans the ranks)
                 blocks = kind == "fsdp" and world > 1
                 second_moment = "blocks" if blocks else "auto"
                 ref_params, ref = workers.reference(
@@ -74,7 +74,10 @@ def check_training(results: list[dict], world: int) -> None:
                 assert got["periods"] == ref["periods"], where
                 assert torch.equal(got["codebook"], ref["codebook"]), where
                 assert _agree(params, ref_params, 1e-5), where
-        init_ref, init_summary = workers.reference(world, 8, steps=5)
+        # the meta-initialised FSDP2 run: shards keep blocks ("auto" factors whole
+        # matrices in one process)
+        init_layout = "blocks" if world > 1 else "auto"
+        init_ref, init_summary = workers.reference(world, 8, 5, init_layout)
         assert train["init"]["summary"]["periods"] == init_summary["periods"]
         assert torch.equal(
             train["init"]["summary"]["codebook"], init_summary["codebook"]
@@ -86,7 +89,7 @@ def check_training(results: list[dict], world: int) -> None:
 
 
 def check_dcp(results: list[dict], world: int) -> None:
-    ref, _ = workers.reference(world)
+    ref, _ = workers.reference(world, 8, workers.STEPS, workers.DCP_SECOND_MOMENT)
     for out in results:
         dcp = out["dcp"]
         # DCP's zero-gradient lr-0 step left provisional states and changed nothing
@@ -104,7 +107,8 @@ def check_dcp(results: list[dict], world: int) -> None:
             assert "FSDP2-sharded" in errors["factored"]
         else:
             assert errors["factored"] == ""
-        # the 4-bit default factors whole matrices, and keeps blocks for shards
+        # the 4-bit default factors whole matrices, and keeps blocks for shards (the
+        # 8-bit default too; the checkpoints above are blocks, see DCP_SECOND_MOMENT)
         assert dcp["auto_4bit_factored"] == (world == 1)
 
 
@@ -118,7 +122,7 @@ def test_two_ranks_dcp_round_trips(two_ranks):
 
 def test_two_rank_checkpoint_resumes_in_one_process(two_ranks):
     root, _ = two_ranks
-    ref, _ = workers.reference(1)
+    ref, _ = workers.reference(1, 8, workers.STEPS, workers.DCP_SECOND_MOMENT)
     params, summary = workers.resume(1, 0, f"{root}/w2")
     assert _agree(params, ref, 1e-6)
     assert summary["periods"] == workers.reference(1, steps=1)[1]["periods"]

@@ -221,7 +221,7 @@ def test_bad_options_and_mismatched_checkpoints(kit):
     assert all("factored" in s for p, s in resumed.state.items() if p.ndim == 2)
     # a blocks state under a group that says factored: named, nothing loaded
     other = copy.deepcopy(model)
-    blocks = Gefen(other.parameters(), lr=1e-2)
+    blocks = Gefen(other.parameters(), lr=1e-2, second_moment="blocks")
     _train(other, blocks, 1)
     bad = kit.roundtrip(blocks.state_dict())
     for group in bad["param_groups"]:
@@ -233,7 +233,7 @@ def test_bad_options_and_mismatched_checkpoints(kit):
     # the learned codebook holds an exact 0; an older checkpoint's may not, and a
     # factored or per-element group added to such an optimizer cannot use it
     other = _mlp()
-    mixed = Gefen(list(other[0].parameters()), lr=1e-2)
+    mixed = Gefen(list(other[0].parameters()), lr=1e-2, second_moment="blocks")
     _train(other, mixed, 1)
     assert 0.0 in mixed.state[other[0].weight]["codebook"].tolist()
     old = codebook(8)
@@ -314,21 +314,8 @@ def test_with_exact_zero_moves_only_the_code_nearest_zero():
         assert out[0] == -1 and out[-1] == 1
 
 
-def test_factors_are_small_at_one_thirty_second_of_a_byte_per_element():
-    """8-bit and fp32 momentum factor where 4 (R + C) <= R C / 32, by hand."""
-    assert factored.factors_are_small(256, 256)  # 2,048 bytes = 65,536 / 32
-    assert not factored.factors_are_small(255, 256)
-    assert factored.factors_are_small(1024, 256) and factored.factors_are_small(
-        512, 512
-    )
-    assert not factored.factors_are_small(512, 64)  # 2,304 bytes > 1,024
-    assert not factored.factors_are_small(64, 20) and not factored.factors_are_small(
-        3, 64
-    )
-
-
 def _wide_mlp():
-    torch.manual_seed(0)  # hidden 256 x 256: the only matrix whose factors are small
+    torch.manual_seed(0)  # matrices 256 x 20, 256 x 256 and 3 x 256; biases 1-D
     return torch.nn.Sequential(
         torch.nn.Linear(20, 256),
         torch.nn.ReLU(),
@@ -338,14 +325,15 @@ def _wide_mlp():
     )
 
 
-def test_auto_factors_four_bit_matrices_and_large_eight_bit_ones():
+def test_auto_factors_every_matrix_whatever_the_bits():
     """second_moment="auto" (the default), with the automatic partition: factors
-    every matrix for 4-bit momentum, and for 8-bit or fp32 momentum the matrices
-    whose factors cost <= 1/32 byte per element; blocks everywhere else."""
+    every matrix, small ones too, for 4-bit, 8-bit and fp32 momentum; blocks for
+    1-D tensors, an explicit partition and second_moment="blocks"."""
     cases = [
         ({"momentum_bits": 4}, "all"),
-        ({"momentum_bits": 8}, "large"),
-        ({"momentum_bits": None}, "large"),
+        ({"momentum_bits": 8}, "all"),
+        ({"momentum_bits": None}, "all"),
+        ({}, "all"),
         ({"momentum_bits": 4, "partition": 64}, "none"),
         ({"momentum_bits": 8, "partition": 64}, "none"),
         ({"momentum_bits": 4, "partition": "tensor"}, "none"),
@@ -360,21 +348,26 @@ def test_auto_factors_four_bit_matrices_and_large_eight_bit_ones():
         model(torch.randn(16, 20, generator=g)).square().mean().backward()
         opt.step()
         for p, state in opt.state.items():
-            large = tuple(p.shape) == (256, 256)
-            want = {"all": p.ndim == 2, "large": large, "none": False}[which]
+            want = {"all": p.ndim == 2, "none": False}[which]
             assert ("factored" in state) == want, (options, tuple(p.shape))
-    # per group: only the 4-bit group factors its small matrix
-    model = _mlp()
+    # per group: the 8-bit and the 4-bit group factor their small matrices (64 x 20,
+    # 3 x 64), a group with an explicit partition keeps blocks
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 64), torch.nn.Linear(64, 3), torch.nn.Linear(3, 3)
+    )
     opt = Gefen(
         [
             {"params": model[0].parameters(), "momentum_bits": 8},
-            {"params": model[2].parameters(), "momentum_bits": 4},
+            {"params": model[1].parameters(), "momentum_bits": 4},
+            {"params": model[2].parameters(), "partition": 3},
         ],
         lr=1e-2,
     )
-    _train(model, opt, 1)
-    assert "factored" not in opt.state[model[0].weight]
-    assert "factored" in opt.state[model[2].weight]
+    model(torch.randn(8, 20)).square().mean().backward()
+    opt.step()
+    assert "factored" in opt.state[model[0].weight]
+    assert "factored" in opt.state[model[1].weight]
+    assert "factored" not in opt.state[model[2].weight]
 
 
 def test_auto_four_bit_is_the_factored_step_bit_for_bit(kit):

@@ -358,9 +358,11 @@ def test_gefen_trains_the_same_with_the_fused_step(backend, bits):
                     eps=1e-8,
                     weight_decay=0.01,
                     maximize=False,
-                    # momentum_rounding="auto": 4-bit codes stochastically, each
-                    # parameter on the stream of its index in the optimizer
-                    stochastic_codes=bits == 4,
+                    # momentum_rounding="auto": 4-bit codes stochastically, and
+                    # 8-bit ones on a factored or per-element v, each parameter on
+                    # the stream of its index in the optimizer
+                    stochastic_codes=bits == 4
+                    or (bits == 8 and ("factored" in st or int(st["period"]) == 1)),
                     seed=seed,
                     # update_clip="auto": 4-bit steps on a factored or
                     # per-element v clipped to lr per element

@@ -36,8 +36,13 @@ def test_partition_options_set_the_period(kit):
     assert period[model[1].weight] == 1 and period[model[1].bias] == 32
     assert int(opt.state[model[1].weight]["qblock"]) == 256
     assert period[model[3].weight] == choose_period(model[3].weight.grad)
+    assert "factored" in opt.state[model[3].weight]  # "auto": the matrix factors
     for p, s in opt.state.items():
-        assert s["exp_avg_sq"].numel() == math.ceil(p.numel() / period[p])
+        if "factored" in s:
+            rows = int(s["factored"])
+            assert s["exp_avg_sq"].numel() == rows + p.numel() // rows
+        else:
+            assert s["exp_avg_sq"].numel() == math.ceil(p.numel() / period[p])
 
 
 def test_codebook_learned_from_first_gradient_and_shared(kit):
