@@ -131,7 +131,8 @@ class Gefen(GefenBase):
             momentum's absmax keeps its blocks; 1-D parameters keep blocks) or
             "auto" (with ``partition="auto"``): factored for every parameter with two
             or more dims (both sides >= 2), whatever the momentum bits; blocks for
-            1-D tensors and for FSDP2-sharded parameters, which cannot factor yet. Factors close most of the gap to AdamW that a block-shared ``v``
+            1-D tensors and for FSDP2-sharded parameters, which cannot factor yet.
+            Factors close most of the gap to AdamW that a block-shared ``v``
             leaves (a 2,000-step GPT, 8-bit: 1.020x -> 1.003x AdamW's validation
             loss; an MLP on raw pixels: 1.16x -> 1.01x). May be set per param
             group. See docs/gefen.md.
