@@ -19,8 +19,6 @@ from functools import partial
 import numpy as np
 import torch
 
-from leantrain.optim import _codebook_dp as dp
-from leantrain.optim import _native
 from leantrain.optim import codebook as cbm
 
 
@@ -51,7 +49,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"native library: {_native.status()}")
+    print(f"native library: {cbm.native_status()}")
     header = (
         f"{'bins':>5} {'k':>4} {'C (CPU s)':>10} {'numpy (CPU s)':>13} "
         f"{'reference (CPU s)':>22} {'ratio':>7} {'equal cost':>10}"
@@ -62,8 +60,8 @@ def main() -> None:
         counts = gradient_like_counts(bins)
         x, c, _ = cbm._prepare(counts, 2)
         for k in (16, 256):
-            fast_t, (_, fast_bounds) = best_of(partial(dp._solve_fast, x, c, k))
-            native_t, native = best_of(partial(dp._solve_native, x, c, k))
+            fast_t, (_, fast_bounds) = best_of(partial(cbm.DP_SOLVERS["fast"], x, c, k))
+            native_t, native = best_of(partial(cbm.DP_SOLVERS["native"], x, c, k))
             # Partition costs evaluated directly (no prefix-sum rounding).
             fast_direct = cbm._partition_cost(fast_bounds, x, c)
             same_native = native is None or (
@@ -72,11 +70,13 @@ def main() -> None:
             )
             native_s = "n/a" if native is None else f"{native_t:.4f}"
             # One reference layer, times the number of layers, estimates the whole.
-            one_layer, _ = best_of(partial(dp._solve_reference, x, c, 3), repeat=1)
+            one_layer, _ = best_of(
+                partial(cbm.DP_SOLVERS["reference"], x, c, 3), repeat=1
+            )
             estimate = one_layer * (k - 2)
             if estimate <= args.limit:
                 ref_t, (_, ref_bounds) = best_of(
-                    partial(dp._solve_reference, x, c, k), repeat=1
+                    partial(cbm.DP_SOLVERS["reference"], x, c, k), repeat=1
                 )
                 # Both partitions' costs evaluated directly (no prefix-sum rounding).
                 fast_cost = cbm._partition_cost(fast_bounds, x, c)

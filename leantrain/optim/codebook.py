@@ -60,11 +60,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import _native
 from ._codebook_dp import _solve_fast, _solve_native, _solve_reference
 from .quant import _pieces, block_absmax
 
 __all__ = [
+    "DP_SOLVERS",
     "bin_centres",
+    "native_status",
     "codebook_cost",
     "histogram",
     "histogram_on_device",
@@ -72,6 +75,20 @@ __all__ = [
     "learn_codebook_reference",
     "with_exact_zero",
 ]
+
+# The dynamic program's three implementations (the slow oracle, numpy, the C
+# kernel), named for benchmarks/codebook.py and the parity tests.
+DP_SOLVERS = {
+    "reference": _solve_reference,
+    "fast": _solve_fast,
+    "native": _solve_native,
+}
+
+
+def native_status() -> str:
+    """Whether the native (C) library loaded, and why not when it did not."""
+    return _native.status()
+
 
 # Elements per histogram chunk: bounds the fp32/int64 temporaries to a few MiB.
 CHUNK_ELEMENTS = 1 << 20
