@@ -121,6 +121,12 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
         "_upload",
         "tensor",
     ): "the kernels' job tables, built on the host and copied to the device",
+    ("optim/_triton_step.py", "_layout", "tensor"): (
+        "the kept job tables' host copies, uploaded by _upload each step"
+    ),
+    ("optim/_triton_step.py", "_fill", "tensor"): (
+        "a step's columns of a host job table, uploaded by _upload"
+    ),
     ("optim/gefen.py", "Gefen._template_step", "tensor"): _HOST_STATE,
     ("optim/factored.py", "_native_means", "empty"): "buffers of the CPU C kernel",
     # layer_parallel

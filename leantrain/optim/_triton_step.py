@@ -343,7 +343,7 @@ def _factor_row(f: _Factored, j: Job) -> list[int]:
     return row
 
 
-def _job_row(j: Job, f: _Factored | None, device: torch.device) -> list[int]:
+def _job_row(j: Job, f: _Factored | None, codebook: _Codebook | None) -> list[int]:
     """One job's row of the int64 table (the kernels' J_* columns), but for the
     columns :func:`_fill` writes each step (gradient pointer, rounding keys)."""
     q = _ints()
@@ -358,7 +358,6 @@ def _job_row(j: Job, f: _Factored | None, device: torch.device) -> list[int]:
     row[q.J_UNIT] = 2 if packed and block % 2 else 1
     row[q.J_PACKED] = int(packed)
     if bits:
-        codebook = _device_table(j.state["codebook"], device)
         row[q.J_M] = j.state["exp_avg_codes"].data_ptr()
         row[q.J_ABSMAX] = j.state["exp_avg_absmax"].data_ptr()
         row[q.J_QTAB] = codebook.table.data_ptr()
@@ -465,7 +464,16 @@ def _layout(jobs: list[Job], device: torch.device) -> _Layout:
     )
     scratch, factored = _factored_layout(jobs, device, cols_tile)
     of_slot = {f.slot: f for f in factored}
-    rows = [_job_row(j, of_slot.get(i), device) for i, j in enumerate(jobs)]
+    # one device table per job, kept with the layout: the rows hold only their
+    # addresses, and the tables' cache may drop an entry while this one is alive
+    codebooks = [
+        _device_table(j.state["codebook"], device) if j.layout[2] else None
+        for j in jobs
+    ]
+    rows = [
+        _job_row(j, of_slot.get(i), cb)
+        for i, (j, cb) in enumerate(zip(jobs, codebooks, strict=True))
+    ]
     units = [math.ceil(r[q.J_N] / (r[q.J_UNIT] * r[q.J_BLOCK])) for r in rows]
     segments, lo = [], 0
     while lo < len(jobs):
@@ -501,7 +509,7 @@ def _layout(jobs: list[Job], device: torch.device) -> _Layout:
         factored,
         factor_table,
         factor_launches,
-        [_device_table(j.state["codebook"], device) for j in jobs if j.layout[2]],
+        codebooks,
     )
 
 
