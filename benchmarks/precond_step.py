@@ -22,6 +22,14 @@ being the model's forward and backward
 (:func:`~leantrain.precond.step_cost.forward_backward_macs`). **/ floor** is the
 overhead left beyond the arithmetic.
 
+With ``--schedule``, each method also runs with the registry's own schedule, as
+two more arms that refresh on every step: one updates the curvature only (the
+preconditioner never), one both. A run with the registry's schedule is periodic
+(curvature every ``C`` steps, the preconditioner every ``I``, ``I`` a multiple of
+``C``), so its mean step is, per period of ``I`` steps,
+``((I - I/C) * plain + (I/C - 1) * curvature + refresh) / I`` of the three medians;
+printed against AdamW's median (the **mean x adamw** column).
+
 Run: ``python benchmarks/precond_step.py --tokens 512,2048,8192`` (about 6 minutes
 on one thread). PSGD runs through the maker only (it cannot run inside a loop).
 """
@@ -38,7 +46,12 @@ import torch
 
 from leantrain.models.gpt import GPT, GPTConfig, lm_loss
 from leantrain.precond import make_gradient_maker, precondition_in_loop
-from leantrain.precond.step_cost import application_macs, forward_backward_macs
+from leantrain.precond.registry import PRECOND_METHODS
+from leantrain.precond.step_cost import (
+    application_macs,
+    forward_backward_macs,
+    schedule_mean_step,
+)
 
 SEQ = 64
 # The position embedding sees (T,) positions, not the batch: the hooks skip it.
@@ -63,15 +76,15 @@ def _base(model: GPT, opt: torch.optim.Optimizer) -> Callable:
     return step
 
 
-def _loop(model: GPT, method: str) -> Callable:
+def _loop(model: GPT, method: str, config: dict = CONFIG) -> Callable:
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    opt = precondition_in_loop(sgd, model, method, config=dict(CONFIG))
+    opt = precondition_in_loop(sgd, model, method, config=dict(config))
     return _base(model, opt)
 
 
-def _maker(model: GPT, method: str) -> tuple[Callable, object]:
+def _maker(model: GPT, method: str, config: dict = CONFIG) -> tuple[Callable, object]:
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    gm = make_gradient_maker(method, model, config=dict(CONFIG))
+    gm = make_gradient_maker(method, model, config=dict(config))
     gm.lr = LR  # the KL clip (K-FAC, EKFAC) runs as it does in the loop
 
     def step(x, t):
@@ -84,11 +97,39 @@ def _maker(model: GPT, method: str) -> tuple[Callable, object]:
     return step, gm
 
 
+def registry_intervals(method: str) -> tuple[int, int]:
+    """(curvature, preconditioner) interval of the method's registry schedule."""
+    config = PRECOND_METHODS[method].config
+    curvature = config.get("curvature_interval", 1)
+    return curvature, config.get("preconditioner_interval", curvature)
+
+
+def refresh_arms(method: str) -> dict[str, dict]:
+    """The configs of the arms that refresh on every step: the curvature only
+    (when the schedule has curvature steps without a preconditioner update), and
+    both."""
+    ignore = {"ignore_modules": CONFIG["ignore_modules"]}
+    every = {**ignore, "curvature_interval": 1, "preconditioner_interval": 1}
+    curvature, preconditioner = registry_intervals(method)
+    arms = {"refresh": every}
+    if preconditioner > curvature:
+        arms["curvature"] = {**every, "preconditioner_interval": NEVER}
+    return arms
+
+
+def schedule_mean(method: str, med: dict[str, float]) -> float:
+    """The mean step of a run with the registry's schedule (see the docstring)."""
+    form = "loop" if method in IN_LOOP else "maker"
+    plain, refresh = med[f"{method} {form}"], med[f"{method} refresh"]
+    curvature = med.get(f"{method} curvature", refresh)
+    return schedule_mean_step(plain, curvature, refresh, *registry_intervals(method))
+
+
 def time_tokens(
-    n_tokens: int, methods: list[str], steps: int, warmup: int
+    n_tokens: int, methods: list[str], steps: int, warmup: int, schedule: bool = False
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Median CPU seconds per step of every arm at ``n_tokens``, and each method's
-    floor."""
+    floor; with ``schedule``, the refresh arms too (:func:`refresh_arms`)."""
     torch.manual_seed(0)
     base = GPT(GPTConfig(n_layer=8, d_model=256, n_head=4, block_size=SEQ))
     g = torch.Generator().manual_seed(0)
@@ -108,6 +149,12 @@ def time_tokens(
             arms[f"{method} loop"] = _loop(copy.deepcopy(base), method)
         arms[f"{method} maker"], gm = _maker(copy.deepcopy(base), method)
         floors[method] = 1.0 + application_macs(gm) / (n_tokens * per_token)
+        for kind, config in (refresh_arms(method) if schedule else {}).items():
+            model = copy.deepcopy(base)
+            if method in IN_LOOP:
+                arms[f"{method} {kind}"] = _loop(model, method, config)
+            else:
+                arms[f"{method} {kind}"] = _maker(model, method, config)[0]
     times: dict[str, list[float]] = {k: [] for k in arms}
     for _ in range(warmup + steps):
         for name, step in arms.items():
@@ -124,13 +171,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--schedule",
+        action="store_true",
+        help="also time refresh steps and print the mean step of a run with the "
+        "registry's schedule against AdamW's",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
     for n_tokens in (int(n) for n in args.tokens.split(",")):
         if n_tokens % SEQ:
             raise ValueError(f"--tokens {n_tokens} is not a multiple of {SEQ}")
-        med, floors = time_tokens(n_tokens, methods, args.steps, args.warmup)
+        med, floors = time_tokens(
+            n_tokens, methods, args.steps, args.warmup, args.schedule
+        )
         print(
             f"\nN = {n_tokens} tokens ({n_tokens // SEQ} x {SEQ}), "
             f"{args.threads} thread(s), median of {args.steps} steps"
@@ -147,6 +202,13 @@ def main() -> None:
                 )
             else:
                 print(f"{name:16s} {sec * 1e3:9.1f} {ratio:7.2f}")
+        if args.schedule:
+            print(f"\n{'method':10s} {'schedule (C, I)':>16s} {'mean x adamw':>13s}")
+            for method in methods:
+                mean = schedule_mean(method, med) / med["adamw"]
+                print(
+                    f"{method:10s} {str(registry_intervals(method)):>16s} {mean:13.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -15,13 +15,21 @@ times the base optimizer's step, about ``1 + c (m + n) / (3 N)`` for a model of
 equal-shaped layers: the floor falls as the batch grows, which is why
 preconditioner overheads are quoted at large batch. ``benchmarks/precond_step.py``
 prints this floor beside the measured step.
+
+A run on a schedule (curvature every ``C`` steps, the preconditioner every ``I``)
+mixes three kinds of step; :func:`schedule_mean_step` averages them over a period.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["APPLICATION_PRODUCTS", "application_macs", "forward_backward_macs"]
+__all__ = [
+    "APPLICATION_PRODUCTS",
+    "application_macs",
+    "forward_backward_macs",
+    "schedule_mean_step",
+]
 
 # Maker class -> matrix products per preconditioned matrix on a plain step, in
 # pairs (1 = B^{-1} G A^{-1}). Makers not listed count as 1.
@@ -79,3 +87,41 @@ def forward_backward_macs(model: nn.Module, context: int) -> int:
         if isinstance(q_proj, nn.Linear) and hasattr(module, "n_heads"):
             forward += 2 * context * q_proj.out_features
     return 3 * forward
+
+
+def schedule_mean_step(
+    plain: float,
+    curvature: float,
+    refresh: float,
+    curvature_interval: int,
+    preconditioner_interval: int,
+) -> float:
+    """The mean step of a run on a periodic schedule after warm-up, from the cost
+    of each kind of step: ``plain`` (applies the preconditioner only),
+    ``curvature`` (also updates the curvature) and ``refresh`` (also rebuilds the
+    preconditioner). Per period of ``preconditioner_interval`` steps, ``I / C`` of
+    them update the curvature, one of those the preconditioner too::
+
+        ((I - I/C) * plain + (I/C - 1) * curvature + refresh) / I
+
+    Raises:
+        ValueError: an interval is not a positive int, or ``I`` is not a multiple
+            of ``C`` (as ``PreconditioningConfig`` requires).
+    """
+    for name, value in (
+        ("curvature_interval", curvature_interval),
+        ("preconditioner_interval", preconditioner_interval),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if preconditioner_interval % curvature_interval:
+        raise ValueError(
+            f"preconditioner_interval={preconditioner_interval} is not a multiple "
+            f"of curvature_interval={curvature_interval}"
+        )
+    updates = preconditioner_interval // curvature_interval
+    return (
+        (preconditioner_interval - updates) * plain
+        + (updates - 1) * curvature
+        + refresh
+    ) / preconditioner_interval

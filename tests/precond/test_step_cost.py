@@ -12,7 +12,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from leantrain.models.gpt import GPT, GPTConfig, lm_loss
 from leantrain.precond import KfacGradientMaker, PreconditioningConfig
-from leantrain.precond.step_cost import application_macs, forward_backward_macs
+from leantrain.precond.step_cost import (
+    application_macs,
+    forward_backward_macs,
+    schedule_mean_step,
+)
 
 
 def _counted_macs(fn) -> float:
@@ -50,3 +54,36 @@ def test_application_macs_equal_a_counted_kfac_plain_step():
 def test_forward_backward_macs_refuses_a_bad_context():
     with pytest.raises(ValueError, match="context must be a positive int, got 0"):
         forward_backward_macs(nn.Linear(2, 2), 0)
+
+
+@pytest.mark.parametrize("intervals", [(1, 1), (1, 10), (10, 10), (10, 100), (5, 20)])
+def test_schedule_mean_step_is_a_run_of_the_schedule(intervals):
+    """The mean against the schedule itself: the steps of a run after warm-up,
+    each costed by what ``PreconditioningConfig`` says is due at it."""
+    curvature_interval, preconditioner_interval = intervals
+    config = PreconditioningConfig(
+        curvature_interval=curvature_interval,
+        preconditioner_interval=preconditioner_interval,
+        ema_decay=0.95,
+        warmup_steps=3,
+    )
+    plain, curvature, refresh = 1.0, 2.5, 7.0
+    steps = range(3, 3 + 4 * preconditioner_interval)  # whole periods
+    costs = [
+        refresh
+        if config.preconditioner_due(s)
+        else curvature
+        if config.curvature_due(s)
+        else plain
+        for s in steps
+    ]
+    expected = sum(costs) / len(costs)
+    got = schedule_mean_step(plain, curvature, refresh, *intervals)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_schedule_mean_step_refuses_intervals_that_do_not_nest():
+    with pytest.raises(ValueError, match="not a multiple of curvature_interval=3"):
+        schedule_mean_step(1.0, 2.0, 3.0, 3, 10)
+    with pytest.raises(ValueError, match="preconditioner_interval must be a positive"):
+        schedule_mean_step(1.0, 2.0, 3.0, 1, 0)
