@@ -33,10 +33,10 @@ Usage::
 
     python benchmarks/precond.py                      # a few minutes
     python benchmarks/precond.py --full               # 500 steps
-    python benchmarks/precond.py --models mlp --methods kfac,kfac_10,seng
-    python benchmarks/precond.py --models mlp --methods kfac,kfac_10 --repeats 5
+    python benchmarks/precond.py --models mlp --methods kfac_1,kfac,seng
+    python benchmarks/precond.py --models mlp --methods kfac_1,kfac --repeats 5
     python benchmarks/precond.py --models mlp,cnn \
-        --methods kfac,kfac_10,shampoo_10,asdl_kfac,asdl_kfac_10,asdl_shampoo_10
+        --methods kfac_1,kfac,shampoo,asdl_kfac,asdl_kfac_10,asdl_shampoo_10
 
 ``asdl_*`` methods run ASDL's own makers (``ASDL_PEERS``) in the same turns, when
 ASDL is installed: the anchors' ratios measured side by side, not quoted.

@@ -73,14 +73,14 @@ def main() -> None:
     model = GPT(GPTConfig(n_layer=args.layers, d_model=args.width, block_size=64))
     x, y = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))
     shampoo = _filled("shampoo", model, x, y)
-    kfac = _filled("kfac_10", model, x, y)
+    kfac = _filled("kfac", model, x, y)
     cases = {
         "shampoo": (shampoo, _shampoo_one_by_one),
-        "kfac_10": (kfac, _kfac_one_by_one),
+        "kfac": (kfac, _kfac_one_by_one),
     }
     stats = [s for b in shampoo.statistics.values() for t in b for s in t]
     dense = [m for n, k in _kfac_dense(kfac) for m in kfac.factors[n][k]]
-    groups = {"shampoo": _count(stats), "kfac_10": _count(dense)}
+    groups = {"shampoo": _count(stats), "kfac": _count(dense)}
     print(f"GPT {args.layers} x {args.width}, one thread, CPU seconds, median of "
           f"{args.repeats}\n")  # fmt: skip
     print("| method | factors (shapes) | batched ms | one by one ms | batched / one |")

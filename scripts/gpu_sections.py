@@ -224,9 +224,9 @@ def _autocast(device: torch.device):
 
 PRECOND_LOOPS = {
     "AdamW(fused)": None,
-    "K-FAC, MC Fisher (kfac_10)": ("kfac_10", {}),
-    "K-FAC, empirical Fisher (kfac_10)": ("kfac_10", {"fisher_type": "fisher_emp"}),
-    "Shampoo (shampoo_10)": ("shampoo_10", {}),
+    "K-FAC, MC Fisher (kfac)": ("kfac", {}),
+    "K-FAC, empirical Fisher (kfac)": ("kfac", {"fisher_type": "fisher_emp"}),
+    "Shampoo (shampoo)": ("shampoo", {}),
 }
 
 

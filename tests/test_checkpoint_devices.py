@@ -122,7 +122,7 @@ def test_preconditioner_in_loop_resumes_on_another_device(src, dst):
     # saved inverses on the new device (float64, so devices agree to rounding).
     def make(model):
         sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        return precondition_in_loop(sgd, model, "kfac_10")
+        return precondition_in_loop(sgd, model, "kfac")
 
     tol = 0.0 if src == dst else 1e-10
     opt = _resume(make, src, dst, torch.float64, tol)

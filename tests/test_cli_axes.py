@@ -319,14 +319,14 @@ def test_axis_configs_are_checked():
 def test_rows_timed_under_load_are_marked_with_a_footnote(
     tiny, tmp_path, monkeypatch, capsys
 ):
-    # One process: the runs go adamw, kfac, shampoo_10, each reading the load
+    # One process: the runs go adamw, kfac, shampoo, each reading the load
     # average before and after; only kfac ends above the machine's cores.
     busy = (os.cpu_count() or 1) + 1.5
     loads = iter([0.25, 0.5, 0.75, busy, 1.0, 1.25])
     monkeypatch.setattr(compare_jobs, "load_average", lambda: next(loads))
     md, stdout, record = _run(tmp_path, capsys, "curvature")
     names = [r[0] for r in _rows(md, "curvature")[2:]]
-    assert names == ["adamw", "kfac †", "shampoo_10"]
+    assert names == ["adamw", "kfac †", "shampoo"]
     assert names == [r[0] for r in _rows(stdout, "curvature")[2:]]
     section = md.split("## curvature", 1)[1]
     assert "over this axis' runs: 0.2 when the first started, 1.2 when the" in section
@@ -336,7 +336,7 @@ def test_rows_timed_under_load_are_marked_with_a_footnote(
     assert load["runs"] == {
         "adamw": [0.25, 0.5],
         "kfac": [0.75, busy],
-        "shampoo_10": [1.0, 1.25],
+        "shampoo": [1.0, 1.25],
     }
     assert load["under_load"] == ["kfac"] and load["limit"] == os.cpu_count()
     assert (load["start"], load["end"]) == (0.25, 1.25)

@@ -48,10 +48,10 @@ __all__ = [
 IN_LOOP_METHODS: dict[str, str] = {
     "kfac": "module hooks (inputs; output-gradients of the backward or of the "
     "Fisher vectors)",
-    "kfac_10": "as kfac",
+    "kfac_1": "as kfac",
     "ekfac": "as kfac",
     "shampoo": "the gradient in .grad at step()",
-    "shampoo_10": "as shampoo",
+    "shampoo_1": "as shampoo",
     "soap": "as shampoo",
     **{f"ng_{s}": "as kfac" for s in ("full", "layer", "unit", "diag")},
     "smw_ng": "as kfac (one micro-batch per step)",

@@ -32,7 +32,7 @@ from tests._helpers.precond_patterns import (
 METHODS = sorted(PRECOND_METHODS)
 LOOP = sorted(IN_LOOP_METHODS)
 # Statistics from .grad itself (Shampoo's factors; SOAP keeps them too).
-SHAMPOO = {"shampoo", "shampoo_10", "soap"}
+SHAMPOO = {"shampoo", "shampoo_1", "soap"}
 # Methods that run the model themselves (second-order backward, a replay at the
 # previous parameters, conjugate gradient over curvature products).
 OWN_PASSES = {"psgd", "kbfgs", "hessian_free", "newton"}
@@ -67,7 +67,7 @@ def check_compile(form, method):
     assert_same(want, _quiet(train, form, method, model, data, call=call))
 
 
-@pytest.mark.parametrize("method", ["kfac", "kfac_10"])
+@pytest.mark.parametrize("method", ["kfac_1", "kfac"])
 def test_compiled_loop_after_a_graph_without_hooks(method, set_attribute):
     # A process whose dynamo guards no module hooks (the default) and already
     # compiled the model class without them: the loop still records every step.
@@ -75,7 +75,7 @@ def test_compiled_loop_after_a_graph_without_hooks(method, set_attribute):
 
     set_attribute(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
     torch._dynamo.reset()
-    data = batches(12)  # kfac_10: hooks attached at steps 0 and 10 only
+    data = batches(12)  # kfac: hooks attached at steps 0 and 10 only
     first = net()
     torch.compile(first, backend="aot_eager")(data[0][0]).sum().backward()
     want = train("loop", method, net(), data)
@@ -413,7 +413,7 @@ def test_cell(pattern, form, method):
 # with a real overflow step) for the methods a user starts with, both forms, with
 # the builders' tensors on the device.
 CUDA_CHECKS = ("compile", "autocast", "grad_scaler")
-CUDA_METHODS = {"kfac", "kfac_10", "ekfac", "shampoo", "psgd"}
+CUDA_METHODS = {"kfac_1", "kfac", "ekfac", "shampoo", "psgd"}
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ from leantrain.precond import GradientMaker
 from leantrain.precond.gradient_maker import compiled_original
 from leantrain.precond.registry import PRECOND_METHODS, make_gradient_maker
 
-RUNS_COMPILED = {"shampoo", "shampoo_10", "soap"}
+RUNS_COMPILED = {"shampoo", "shampoo_1", "soap"}
 METHOD_OPTIONS = {"soap": {"max_precond_dim": 4, "config": {"damping": 1e-4}}}
 
 

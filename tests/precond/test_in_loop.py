@@ -52,7 +52,7 @@ CASES = {
     "ekfac-emp": ("ekfac", {**SCHEDULE, **IGNORE}, EMP),
     "ekfac-mc": ("ekfac", dict(IGNORE), {}),
     "shampoo-schedule": ("shampoo", dict(SCHEDULE), {}),
-    "shampoo-accumulate": ("shampoo", {"damping": 1e-3, "ema_decay": None}, {}),
+    "shampoo-accumulate": ("shampoo_1", {"damping": 1e-3, "ema_decay": None}, {}),
     "soap-schedule": ("soap", dict(SCHEDULE), {}),
     "soap": ("soap", {}, {}),
     "ng_diag-emp": (
@@ -347,7 +347,7 @@ def test_non_finite_step_is_skipped_without_a_trace():
     model = tiny_gpt()
     config = {"damping": 1e-2, "ema_decay": 0.8, **IGNORE}
     opt = precondition_in_loop(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac", config=config
+        torch.optim.SGD(model.parameters(), lr=0.1), model, "kfac_1", config=config
     )
     (x, t), (x2, t2) = batches(2)
     lm_loss(model(x), t).backward()

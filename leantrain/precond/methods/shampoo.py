@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from leantrain.precond._checks import check_extra_state, check_int
 from leantrain.precond._coverage import shared_parameters
 from leantrain.precond._output_grad_shortcut import LinearCapture
+from leantrain.precond._safeguards import PlainGradient
 from leantrain.precond.curv import robust_eigh
 from leantrain.precond.gradient_maker import unwrap_model
 from leantrain.precond.preconditioned import (
@@ -172,6 +173,8 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
             bias_column=False,
         )
         self._done: set[str] = set()  # weights preconditioned during the backward
+        # Their plain gradients, never formed: module name -> (X, E).
+        self._shortcut_inputs: dict[str, tuple[Tensor, Tensor]] = {}
 
     def is_supported(self, module: nn.Module) -> bool:
         """Any module owning trainable parameters."""
@@ -193,6 +196,7 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
         return super()._forward_backward()
 
     def _forward_backward(self) -> tuple[Any, Tensor]:
+        self._shortcut_inputs = {}
         if (
             not self._capture.modules
             or self._loss_scale != 1.0  # its statistics must see the unscaled G
@@ -237,7 +241,19 @@ class ShampooGradientMaker(PreconditionedGradientMaker):
                     x.to(weight.dtype) @ right
                 )
                 self._done.add(key)
+                self._shortcut_inputs[name] = (x, e)
         return output, loss
+
+    def _plain_gradient(self, *, keep: bool, norms: bool = True) -> PlainGradient:
+        # A weight preconditioned during the backward already holds P in .grad:
+        # its plain gradient E^T X enters as its (X, E), as K-FAC's captured layers
+        # do (grafting's norms and the KL clip's inner products need it).
+        index = {name: i for i, (name, _) in enumerate(self.modules())}
+        factored = {
+            index[name]: (x, e, self._capture.modules[name].bias is not None)
+            for name, (x, e) in self._shortcut_inputs.items()
+        }
+        return PlainGradient(self._layer_gradients(), factored, keep=keep, norms=norms)
 
     @staticmethod
     def _weight_name(module_name: str) -> str:
