@@ -110,25 +110,30 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _optimizer_md(r: dict) -> list[str]:
     head = [
         f"{r['parameters'] / 1e6:.1f} M parameters in {r['tensors']} tensors; "
-        "median step after the first (timed on its own), x fused AdamW of the same "
-        "dtype and run.",
+        "benchmarks/gefen_step.py's measurement: median of the round-robin steps "
+        "after a warm-up round, x fused AdamW of the same dtype and run, bandwidth "
+        "x p.add_(g)'s, the first step cold (first of its kind) and warm.",
         "",
     ]
     rows = [
         [
             x["dtype"],
             x["optimizer"],
-            _cell(x["first_step_ms"], ".1f"),
-            _cell(x["step_ms"], ".2f"),
+            _cell(x["ms_per_step"], ".2f"),
             str(x["timed_steps"]),
             _cell(x["x_fused_adamw"]),
             _cell(x["state_bytes_per_param"], ".3f"),
-            _cell(x["peak_extra_per_param_bytes"], ".3f"),
+            _cell(x["gb_per_s"], ".1f"),
+            _cell(x["x_add_bandwidth"]),
+            _cell(x["peak_extra_x_param_bytes"], ".3f"),
+            _cell(x["first_step_cold_ms"], ".1f"),
+            _cell(x["first_step_warm_ms"], ".1f"),
         ]  # fmt: skip
         for x in r["rows"]
     ]
-    header = ["dtype", "optimizer", "first step ms", "step ms", "timed", "x fused"]
-    header += ["state B/param", "peak extra / param bytes"]
+    header = ["dtype", "optimizer", "step ms", "timed", "x fused", "state B/param"]
+    header += ["GB/s", "x add_ GB/s", "peak extra / param bytes"]
+    header += ["first step cold ms", "warm ms"]
     return head + _table(header, rows)
 
 

@@ -2,9 +2,12 @@
 device and returns plain data (lists of rows, numbers) that ``gpu_check.py`` writes
 into the report.
 
-* :func:`optimizer_step` — one optimizer step over GPT-2 small's parameter shapes:
-  fused and foreach AdamW, Gefen 8-bit and 4-bit, bitsandbytes 8-bit when it is
-  importable, and ``p.add_(g)`` over the same tensors (the memory-traffic floor).
+* :func:`optimizer_step` — one optimizer step over GPT-2 small's parameter shapes,
+  measured by ``benchmarks/gefen_step.py``'s ``measure`` (its contenders: fused and
+  foreach AdamW, Gefen 8-bit and 4-bit at their defaults and 8-bit with blocks ``v``,
+  bitsandbytes' and torchao's 8-bit AdamW when importable, and ``p.add_(g)`` over the
+  same tensors, the memory-traffic floor). ``gpu_check.sh`` puts the source tree on
+  ``PYTHONPATH``, which is how ``benchmarks`` imports here.
 * :func:`precond_step` — whole training steps of a GPT in the user's loop:
   ``AdamW(fused=True)`` alone and wrapped by ``precondition_in_loop`` (K-FAC with the
   Monte-Carlo and the empirical Fisher, Shampoo; curvature and preconditioner every
@@ -15,8 +18,8 @@ into the report.
   kinds of layer step per micro-batch count, the work outside the stack, the cost of
   moving a state) fed to the schedule simulator: MGRIT against the best pipeline.
 
-Times on CUDA come from CUDA events after warm-up; on CPU (``--quick``) from the
-wall clock. Each is the median over the timed repeats.
+Times on CUDA come from CUDA events after warm-up (the benchmark's ``Clock``); on
+CPU (``--quick``) from the wall clock. Each is the median over the timed repeats.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks import gefen_step
+from leantrain.compare.devices import device_clock
 from leantrain.data import TokenBatches, load_stdlib_text
 from leantrain.layer_parallel.costs.projection import (
     MGRITSetting,
@@ -40,7 +43,6 @@ from leantrain.layer_parallel.costs.simulate import CommModel
 from leantrain.layer_parallel.costs.timing import LayerSampler, OutsideSampler
 from leantrain.models import GPT, GPTConfig, lm_loss
 from leantrain.optim import Gefen
-from leantrain.optim.memory import bytes_per_param
 from leantrain.precond import precondition_in_loop
 
 
@@ -54,7 +56,7 @@ class Size:
     opt_vocab: int = 50257
     opt_context: int = 1024
     opt_steps: int = 20
-    opt_budget_s: float = 6.0  # per optimizer and dtype: a slow step stops at 3 timed
+    opt_budget_s: float = 30.0  # per dtype: past it, no new round once 3 are timed
     # the GPT of the preconditioning, training and depth sections
     layers: int = 12
     width: int = 768
@@ -79,133 +81,27 @@ QUICK = Size(
 )  # fmt: skip
 
 
-class Clock:
-    """Seconds of one call: CUDA events on a GPU (the queue drained after each call),
-    the wall clock on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        """A wall-clock reading after the device's queue has drained."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def time(self, fn: Callable[[], object]) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-
-def gpt2_shapes(layers: int, width: int, vocab: int, context: int) -> list[tuple]:
-    """GPT-2's parameter shapes: embeddings, per layer LayerNorms, qkv, attention
-    projection, MLP up and down (weights and biases), final LayerNorm."""
-    d = width
-    shapes: list[tuple] = [(vocab, d), (context, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,)]
-        shapes += [(d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
-    return shapes + [(d,), (d,)]
-
-
-def _optimizers(device: torch.device) -> dict[str, Callable]:
-    makers: dict[str, Callable] = {
-        "AdamW(fused=True)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-        "AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-        "Gefen 8-bit": lambda ps: Gefen(ps, lr=1e-3),
-        "Gefen 4-bit": lambda ps: Gefen(ps, lr=1e-3, momentum_bits=4),
-    }
-    if device.type == "cuda":
-        try:
-            import bitsandbytes as bnb
-
-            makers["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(
-                ps, lr=1e-3
-            )
-        except ImportError:
-            pass
-    return makers
-
-
-class _AddFloor:
-    """``p.add_(g)`` over every tensor: what one read-modify-write pass costs."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = params
-
-    def step(self) -> None:
-        with torch.no_grad():
-            for p in self.params:
-                p.add_(p.grad, alpha=-1e-3)
-
-
-def _params(shapes, dtype, device, seed=0) -> list[torch.Tensor]:
-    g = torch.Generator(device=device).manual_seed(seed)
-    params = []
-    for shape in shapes:
-        p = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)
-        p.requires_grad_(True)
-        p.grad = (torch.randn(shape, generator=g, device=device) * 1e-3).to(dtype)
-        params.append(p)
-    return params
-
-
 def optimizer_step(size: Size, device: torch.device, dtypes=("float32", "bfloat16")):
-    """Rows per dtype and optimizer: first step, median step, ratio to fused AdamW,
-    state bytes per parameter and (CUDA) the peak memory a step adds."""
-    clock = Clock(device)
-    shapes = gpt2_shapes(
+    """``benchmarks/gefen_step.py``'s measurement at ``size``'s GPT-2 layout: per
+    dtype, every contender round-robin on the same fixed gradients, ``opt_steps``
+    rounds at most and none started past ``opt_budget_s`` once 3 are timed; one row
+    per dtype and contender (the benchmark's row, with its dtype)."""
+    shapes = gefen_step.gpt2_shapes(
         size.opt_layers, size.opt_width, size.opt_vocab, size.opt_context
     )
-    numel = sum(math.prod(s) for s in shapes)
     rows = []
-    for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
-        cases = dict(_optimizers(device))
-        cases["p.add_(g) (traffic floor)"] = _AddFloor
-        base = None
-        for name, make in cases.items():
-            params = _params(shapes, dtype, device)
-            opt = make(params)
-            first = clock.time(opt.step)
-            times, started = [], time.perf_counter()
-            while len(times) < size.opt_steps and (
-                len(times) < 3 or time.perf_counter() - started < size.opt_budget_s
-            ):
-                times.append(clock.time(opt.step))
-            peak = None
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
-                opt.step()
-                peak = (torch.cuda.max_memory_allocated(device) - before) / (
-                    numel * params[0].element_size()
-                )
-            median = statistics.median(times)
-            base = median if base is None else base
-            state = None if isinstance(opt, _AddFloor) else bytes_per_param(opt)
-            rows.append(
-                {
-                    "dtype": dtype_name,
-                    "optimizer": name,
-                    "first_step_ms": first * 1e3,
-                    "step_ms": median * 1e3,
-                    "timed_steps": len(times),
-                    "x_fused_adamw": median / base,
-                    "state_bytes_per_param": state,
-                    "peak_extra_per_param_bytes": peak,
-                }
-            )
-            del opt, params
-    return {"parameters": numel, "tensors": len(shapes), "rows": rows}
+    for name in dtypes:
+        measured = gefen_step.measure(
+            shapes,
+            getattr(torch, name),
+            device,
+            repeats=size.opt_steps,
+            budget_s=size.opt_budget_s,
+            clock=gefen_step.Clock(device),
+        )
+        rows += [{"dtype": name, **row} for row in measured]
+    parameters = sum(math.prod(s) for s in shapes)
+    return {"parameters": parameters, "tensors": len(shapes), "rows": rows}
 
 
 def _gpt(size: Size, device: torch.device, seed: int = 0) -> GPT:
@@ -232,7 +128,7 @@ PRECOND_LOOPS = {
 
 def precond_step(size: Size, device: torch.device, warmup: int = 3):
     """Per loop: median, mean and max ms of a whole training step and mean x AdamW's."""
-    clock = Clock(device)
+    clock = gefen_step.Clock(device)
     base_model = _gpt(size, device)
     g = torch.Generator(device=device).manual_seed(0)
     shape = (size.precond_batch, size.tokens)
@@ -290,6 +186,7 @@ def training(size: Size, device: torch.device, warmup: int = 3):
     ``train_budget_s``: steps reached, ms per step, the training loss at the step all
     reached (mean of the 10 before it) over AdamW's, the held-out loss at the end."""
     corpus = load_stdlib_text()
+    now = device_clock(device)
     base_model = _gpt(size, device)
     val = TokenBatches(corpus.val, block_size=size.tokens, batch_size=8, seed=1)
     val_batches = [tuple(t.to(device) for t in val.sample()) for _ in range(8)]
@@ -304,7 +201,7 @@ def training(size: Size, device: torch.device, warmup: int = 3):
         started = None
         for step in range(size.train_steps):
             if step == warmup:
-                started = Clock(device).now()
+                started = now()
             x, y = (t.to(device, non_blocking=True) for t in batches.sample())
             with _autocast(device):
                 loss = lm_loss(model(x), y)
@@ -313,11 +210,11 @@ def training(size: Size, device: torch.device, warmup: int = 3):
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
             if started is not None and step % 10 == 9:
-                marks.append((step + 1, Clock(device).now() - started))
+                marks.append((step + 1, now() - started))
                 if marks[-1][1] > size.train_budget_s:
                     break
         done = len(losses)
-        timed = Clock(device).now() - started if started is not None else math.nan
+        timed = now() - started if started is not None else math.nan
         runs[name] = {
             "steps": done,
             "ms_per_step": timed / max(done - warmup, 1) * 1e3,
@@ -342,7 +239,7 @@ def training(size: Size, device: torch.device, warmup: int = 3):
 def _copy_cost(device: torch.device, numel: int, through_host: bool) -> float:
     """Seconds to move ``numel`` fp32 values device to device, or (``through_host``)
     device -> pinned host -> device: half a round trip, as a message."""
-    clock = Clock(device)
+    clock = gefen_step.Clock(device)
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     pin = device.type == "cuda" and through_host
@@ -379,7 +276,7 @@ NOMINAL_INTERCONNECT = CommModel(latency=1e-5, bandwidth=25e9)
 def depth(size: Size, device: torch.device, micro_batches=(1, 2, 4, 8)):
     """Layer and outside times per micro-batch count, the two measured message
     models, and the projected pipeline / MGRIT step ratios for each message model."""
-    clock = Clock(device).now
+    clock = device_clock(device)
     model = _gpt(size, device)
     batch = size.train_batch
     block = model.stack.steps[0]

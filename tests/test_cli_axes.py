@@ -20,9 +20,11 @@ from leantrain.compare import depth as compare_depth
 from leantrain.compare import jobs as compare_jobs
 from leantrain.compare import memory as compare_memory
 from leantrain.compare.memory import verdict
+from leantrain.compare.report import pyplot
 from leantrain.layer_parallel.costs import CommModel, LayerTimes, simulate
 from leantrain.layer_parallel.costs.timing import TwoProcessTiming
 from leantrain.models import GPT, GPTConfig
+from tests._helpers.compare_configs import TINY_DEPTH
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY_MEMORY = dataclasses.replace(
@@ -36,18 +38,6 @@ TINY_MEMORY = dataclasses.replace(
     val_batches=2,
 )
 TINY_CURVATURE = dataclasses.replace(compare_curvature.DEFAULT, steps=6, batch_size=16)
-TINY_DEPTH = dataclasses.replace(
-    compare_depth.DEFAULT,
-    n_layer=8,
-    d_model=16,
-    n_head=2,
-    tokens=8,
-    batch=2,
-    cf=2,
-    repeats=2,
-    layer_reps=2,
-    projected_layers=256,
-)
 
 
 IDLE = 0.5  # a 1-minute load average below any machine's cores
@@ -215,10 +205,11 @@ def test_depth_axis_against_the_serial_network_and_the_simulator(
     layers = LayerTimes(**axis["layer_times_s"])
     comm = CommModel(axis["latency_s"], axis["bandwidth_bytes_per_s"])
     state_bytes = TINY_DEPTH.batch * TINY_DEPTH.tokens * TINY_DEPTH.d_model * 4
-    for ranks, speedup in axis["projected_speedup"]["measured"].items():
-        expected = simulate(
-            256,
-            int(ranks),
+
+    def simulated(n_layers: int, ranks: int):
+        return simulate(
+            n_layers,
+            ranks,
             layers,
             levels=2,
             cf=2,
@@ -226,21 +217,13 @@ def test_depth_axis_against_the_serial_network_and_the_simulator(
             bwd_iters=1,
             comm=comm,
             state_bytes=state_bytes,
-        ).speedup
-        assert speedup == pytest.approx(expected)
+        )
+
+    for ranks, speedup in axis["projected_speedup"]["measured"].items():
+        assert speedup == pytest.approx(simulated(256, int(ranks)).speedup)
     assert list(axis["projected_speedup"]["gpu"]) == ["8", "32", "128"]
     # The simulated 2-process row: the simulator on the 8 layers, two ranks.
-    two = simulate(
-        8,
-        2,
-        layers,
-        levels=2,
-        cf=2,
-        fwd_iters=2,
-        bwd_iters=1,
-        comm=comm,
-        state_bytes=state_bytes,
-    )
+    two = simulated(8, 2)
     assert axis["simulated_two_speedup"] == pytest.approx(two.speedup)
     assert axis["simulated_two_serial_s"] == pytest.approx(two.serial)
     rows = {r[0]: r[1:] for r in _rows(md, "depth")}
@@ -376,11 +359,7 @@ def _depth_summary(serial_s, parallel_s, under_load=()):
 
 
 def test_depth_table_and_panel_show_the_same_quantities():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     summary = _depth_summary(0.076, 0.2111)
     table = compare_depth.table(summary, TINY_DEPTH)
     tables = [_rows(f"## depth\n{t}", "depth") for t in table.split("\n\n")]
@@ -431,5 +410,6 @@ def test_depth_sentence_is_worded_from_the_numbers(
     assert (f"faster than serial at {', '.join(faster)} ranks." in sentence) == bool(
         faster
     )
+    assert sentence.endswith("slower than serial at every one of them.") != bool(faster)
     table = compare_depth.table(summary, TINY_DEPTH)
     assert ("| measured † |" in table) == bool(under_load)

@@ -77,12 +77,18 @@ def test_optimizer_step_rows_measure_time_and_state(quick):
         assert fused["x_fused_adamw"] == 1.0
         # AdamW keeps two moments in the parameter's dtype (plus a step counter)
         assert 2 * elem <= fused["state_bytes_per_param"] < 2 * elem + 0.05
-        assert rows[(dtype, "Gefen 8-bit")]["state_bytes_per_param"] < 1.1
-        assert rows[(dtype, "Gefen 4-bit")]["state_bytes_per_param"] < 0.65
+        assert rows[(dtype, "Gefen 8-bit (defaults)")]["state_bytes_per_param"] < 1.1
+        assert rows[(dtype, "Gefen 4-bit (defaults)")]["state_bytes_per_param"] < 0.65
+        floor = rows[(dtype, "p.add_(g) (traffic reference)")]
+        assert floor["x_add_bandwidth"] == 1.0
         for (d, _), r in rows.items():
             if d == dtype:
-                assert r["step_ms"] > 0 and math.isfinite(r["x_fused_adamw"])
+                assert r["ms_per_step"] > 0 and math.isfinite(r["x_fused_adamw"])
                 assert r["timed_steps"] >= 3
+                # the nominal bytes over the measured time, from the same row
+                assert r["gb_per_s"] / floor["gb_per_s"] == pytest.approx(
+                    r["x_add_bandwidth"]
+                )
 
 
 def test_precond_and_training_rows(quick):

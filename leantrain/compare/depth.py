@@ -350,42 +350,36 @@ def verdict(summary: dict, config: DepthConfig) -> str:
     else:
         pace = "slower than" if measured < 1 else "faster than"
     timed = ("depth", "timing") in summary.get("under_load", ())
-    projected = summary["projected"]["measured"]
-    faster = [str(p) for p, v in projected.items() if v > 1]
-    at = ", ".join(f"{v:.2f}x at {p}" for p, v in projected.items())
     return (
         f"On 2 processes of this {os.cpu_count()}-core CPU layer-parallel is {pace} "
         f"serial ({measured:.2f}x measured{' under load' if timed else ''}, "
         f"{summary['simulated_two_speedup']:.2f}x simulated from the layer times "
         "and message cost measured here); the projection is what that simulator "
         f"predicts for {config.projected_layers} of these layers (cf = {config.cf}) "
-        f"on more ranks, messages as measured: {at} ranks, "
-        + (
-            f"faster than serial at {', '.join(faster)} ranks."
-            if faster
-            else "slower than serial at every one of them."
-        )
+        "on more ranks, messages as measured: "
+        + _projected_speedups(summary["projected"]["measured"])
     )
 
 
 def _one_device_verdict(summary: dict, config: DepthConfig) -> str:
     t = summary["timing"]
-    projected = summary["projected"]["gpu"]
-    faster = [str(p) for p, v in projected.items() if v > 1]
-    at = ", ".join(f"{v:.2f}x at {p}" for p, v in projected.items())
     return (
         f"On one GPU ({t.device}) the serial step of the {config.n_layer}-block stack "
         f"takes {t.serial * 1e3:.1f} ms; a layer-parallel step needs two devices, so "
         "it is not measured here. The projection is what the simulator predicts from "
         f"the layer times measured on this GPU for {config.projected_layers} of these "
-        f"layers (cf = {config.cf}) on more GPUs linked as "
-        f"{PROJECTIONS['gpu']}: {at} ranks, "
-        + (
-            f"faster than serial at {', '.join(faster)} ranks."
-            if faster
-            else "slower than serial at every one of them."
-        )
+        f"layers (cf = {config.cf}) on more GPUs linked as {PROJECTIONS['gpu']}: "
+        + _projected_speedups(summary["projected"]["gpu"])
     )
+
+
+def _projected_speedups(projected: dict) -> str:
+    """The end of a verdict: the speedup at each rank count, then where it wins."""
+    faster = [str(p) for p, v in projected.items() if v > 1]
+    at = ", ".join(f"{v:.2f}x at {p}" for p, v in projected.items())
+    if faster:
+        return f"{at} ranks, faster than serial at {', '.join(faster)} ranks."
+    return f"{at} ranks, slower than serial at every one of them."
 
 
 def settings(config: DepthConfig, summary: dict) -> str:

@@ -17,4 +17,5 @@ the ``conftest.py`` files; everything here is imported one way,
 * references: :mod:`.kron_reference`, :mod:`.ng_reference`,
   :mod:`.linear_reference` (slow, obvious versions to compare against);
 * :mod:`.source_scan`: the library's source for the static checks.
+* :mod:`.compare_configs`: tiny settings of the ``leantrain compare`` axes.
 """

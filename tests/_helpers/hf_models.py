@@ -20,9 +20,26 @@ VOCAB = 64
 SEQ = 12
 
 
+def _built(model_class, config, *, dtype: torch.dtype, seed: int):
+    """``model_class(config)`` in ``dtype``, its weights drawn after
+    ``torch.manual_seed(seed)`` (so one seed builds one model)."""
+    torch.manual_seed(seed)
+    return model_class(config).to(dtype)
+
+
+# The encoder BERT and ViT share: width 16 in 2 heads, an MLP of 32, dropout off (so
+# two runs from one init see the same forward).
+_SMALL_ENCODER = dict(
+    hidden_size=16,
+    num_attention_heads=2,
+    intermediate_size=32,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
 def tiny_gpt2(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 2):
     """GPT2LMHeadModel: d 16, 2 heads; ``wte`` tied to ``lm_head``; Conv1D weights."""
-    torch.manual_seed(seed)
     config = transformers.GPT2Config(
         vocab_size=VOCAB,
         n_positions=32,
@@ -35,14 +52,13 @@ def tiny_gpt2(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int 
         bos_token_id=0,
         eos_token_id=0,
     )
-    return transformers.GPT2LMHeadModel(config).to(dtype)
+    return _built(transformers.GPT2LMHeadModel, config, dtype=dtype, seed=seed)
 
 
 def tiny_llama(
     *, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 2, tied=True
 ):
     """LlamaForCausalLM: d 16, 2 heads (1 key-value head), RoPE, tied embeddings."""
-    torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=16,
@@ -53,41 +69,34 @@ def tiny_llama(
         max_position_embeddings=32,
         tie_word_embeddings=tied,
     )
-    return transformers.LlamaForCausalLM(config).to(dtype)
+    return _built(transformers.LlamaForCausalLM, config, dtype=dtype, seed=seed)
 
 
 def tiny_bert(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 2):
     """BertForMaskedLM: d 16, 2 heads, no dropout."""
-    torch.manual_seed(seed)
     config = transformers.BertConfig(
         vocab_size=VOCAB,
-        hidden_size=16,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        intermediate_size=32,
         max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        **_SMALL_ENCODER,
     )
-    return transformers.BertForMaskedLM(config).to(dtype)
+    return _built(transformers.BertForMaskedLM, config, dtype=dtype, seed=seed)
 
 
 def tiny_vit(*, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 2):
-    """ViTForImageClassification: 8x8 single-channel images, 4x4 patches, 10 classes."""
-    torch.manual_seed(seed)
+    """ViTForImageClassification: 8x8 single-channel images, 4x4 patches, 10 classes;
+    the encoder is BERT's (d 16, 2 heads, no dropout)."""
     config = transformers.ViTConfig(
         image_size=8,
         patch_size=4,
         num_channels=1,
-        hidden_size=16,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        intermediate_size=32,
         num_labels=10,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        **_SMALL_ENCODER,
     )
-    return transformers.ViTForImageClassification(config).to(dtype)
+    return _built(
+        transformers.ViTForImageClassification, config, dtype=dtype, seed=seed
+    )
 
 
 def token_batch(batch: int = 4, seq: int = SEQ, *, seed: int = 0) -> torch.Tensor:

@@ -29,22 +29,12 @@ from leantrain.compare.devices import (
     device_label,
     resolve_device,
 )
+from leantrain.compare.report import pyplot
 from leantrain.models import GPTConfig
+from tests._helpers.compare_configs import TINY_DEPTH
 
 TINY_CURVATURE = dataclasses.replace(
     compare_curvature.DEFAULT, methods=("kfac",), steps=4, batch_size=16
-)
-TINY_DEPTH = dataclasses.replace(
-    compare_depth.DEFAULT,
-    n_layer=8,
-    d_model=16,
-    n_head=2,
-    tokens=8,
-    batch=2,
-    cf=2,
-    repeats=2,
-    layer_reps=2,
-    projected_layers=256,
 )
 
 
@@ -168,11 +158,7 @@ def test_cuda_sizes_are_the_table_the_cli_picks(stand_in_cuda, monkeypatch):
 def test_one_device_depth_timing_through_the_table_sentence_and_panel():
     """The depth axis' CUDA path (one device: serial step and layer times measured,
     messages assumed), run here on the CPU."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     timing = time_on_device(TINY_DEPTH.stack_spec(), compare_depth.gpt_blocks, "cpu")
     assert timing.serial > 0 and timing.layers.forward > 0
     assert timing.comm == GPU_INTERCONNECT and math.isnan(timing.speedup)
