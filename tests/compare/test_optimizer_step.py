@@ -9,6 +9,7 @@ peak memory against a known allocation, and the round budget against its rule.
 
 from __future__ import annotations
 
+import doctest
 import math
 
 import pytest
@@ -195,3 +196,8 @@ def test_measure_names_a_bad_repeat_count():
             [(2,)], torch.float32, CPU, repeats=0, budget_s=1.0,
             clock=optimizer_step.Clock(CPU),
         )  # fmt: skip
+
+
+def test_the_docstring_example_runs():
+    result = doctest.testmod(optimizer_step)
+    assert result.attempted >= 3 and result.failed == 0
