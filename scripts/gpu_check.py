@@ -110,9 +110,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _optimizer_md(r: dict) -> list[str]:
     head = [
         f"{r['parameters'] / 1e6:.1f} M parameters in {r['tensors']} tensors; "
-        "benchmarks/gefen_step.py's measurement: median of the round-robin steps "
-        "after a warm-up round, x fused AdamW of the same dtype and run, bandwidth "
-        "x p.add_(g)'s, the first step cold (first of its kind) and warm.",
+        "leantrain.compare.optimizer_step's measurement (the one "
+        "benchmarks/gefen_step.py prints, run once): median of the round-robin "
+        "steps after a warm-up round, x fused AdamW of the same dtype and run, "
+        "bandwidth x p.add_(g)'s, the first step cold (first of its kind) and warm.",
         "",
     ]
     rows = [

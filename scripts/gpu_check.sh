@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU: the `gpu` test suite, then the GPU benchmarks
 # (optimizer step, preconditioned training step, a short AdamW-vs-Gefen run, the depth
-# axis's projection), written as OUT_DIR/report.md and OUT_DIR/report.json, and
-# benchmarks/gefen_step.py's tables as OUT_DIR/gefen_step/gefen_step.{md,json}.
+# axis's projection), written as OUT_DIR/report.md and OUT_DIR/report.json.
 #
-#   scripts/gpu_check.sh OUT_DIR            # on a GPU: about 6-8 minutes
+#   scripts/gpu_check.sh OUT_DIR            # on a GPU: sized for 5-6 minutes (untimed)
 #   scripts/gpu_check.sh OUT_DIR --quick    # tiny sizes; runs on CPU in a minute or two
 #
 # Without CUDA the gpu suite is only collected (its tests fail on purpose there).
@@ -50,27 +49,11 @@ else
 fi
 echo "gpu suite: $((SECONDS - suite_started)) s, pytest exit $suite_status (log: $out/gpu_suite.log)" >&2
 
-# The optimizer-step benchmark: GPT-2 small's 124 M parameters on the GPU, fp32 and bf16
-# parameters (about 2-3 minutes); its quick layout, fp32 only, without CUDA.
-step_args=(--out "$out/gefen_step")
-if "$python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-    step_args+=(--device cuda --budget-s 30)
-    if [[ " $* " == *" --quick "* ]]; then
-        step_args+=(--quick --repeats 3)
-    fi
-else
-    step_args+=(--device cpu --quick --repeats 3 --dtypes float32)
-fi
-step_started=$SECONDS
-"$python" benchmarks/gefen_step.py "${step_args[@]}" > "$out/gefen_step.log" 2>&1
-step_status=$?
-echo "gefen_step.py: $((SECONDS - step_started)) s, exit $step_status (tables: $out/gefen_step/gefen_step.md)" >&2
+# The optimizer step is measured once, by gpu_check.py's optimizer_step section
+# (leantrain.compare.optimizer_step.measure, the measurement benchmarks/gefen_step.py
+# prints): GPU time is scarce, so the benchmark does not run here besides it. The
+# report's optimizer-step table has the benchmark's columns, per dtype.
 
 "$python" scripts/gpu_check.py --out "$out" "${suite_args[@]}" \
     --suite-exit "$suite_status" --suite-seconds "$((SECONDS - suite_started))" "$@"
-status=$?
-if [ "$step_status" -ne 0 ]; then
-    echo "benchmarks/gefen_step.py failed (exit $step_status): see $out/gefen_step.log" >&2
-    status=1
-fi
-exit "$status"
+exit $?

@@ -3,11 +3,13 @@ device and returns plain data (lists of rows, numbers) that ``gpu_check.py`` wri
 into the report.
 
 * :func:`optimizer_step` — one optimizer step over GPT-2 small's parameter shapes,
-  measured by ``benchmarks/gefen_step.py``'s ``measure`` (its contenders: fused and
-  foreach AdamW, Gefen 8-bit and 4-bit at their defaults and 8-bit with blocks ``v``,
-  bitsandbytes' and torchao's 8-bit AdamW when importable, and ``p.add_(g)`` over the
-  same tensors, the memory-traffic floor). ``gpu_check.sh`` puts the source tree on
-  ``PYTHONPATH``, which is how ``benchmarks`` imports here.
+  measured by :func:`leantrain.compare.optimizer_step.measure` (the measurement
+  ``benchmarks/gefen_step.py`` prints; its contenders: fused and foreach AdamW, Gefen
+  8-bit and 4-bit at their defaults and 8-bit with blocks ``v``, bitsandbytes' and
+  torchao's 8-bit AdamW when importable, and ``p.add_(g)`` over the same tensors, the
+  memory-traffic floor). This section is the check's only optimizer-step measurement:
+  ``gpu_check.sh`` does not run ``benchmarks/gefen_step.py`` besides, so GPU time
+  pays for it once.
 * :func:`precond_step` — whole training steps of a GPT in the user's loop:
   ``AdamW(fused=True)`` alone and wrapped by ``precondition_in_loop`` (K-FAC with the
   Monte-Carlo and the empirical Fisher, Shampoo; curvature and preconditioner every
@@ -18,8 +20,9 @@ into the report.
   kinds of layer step per micro-batch count, the work outside the stack, the cost of
   moving a state) fed to the schedule simulator: MGRIT against the best pipeline.
 
-Times on CUDA come from CUDA events after warm-up (the benchmark's ``Clock``); on
-CPU (``--quick``) from the wall clock. Each is the median over the timed repeats.
+Times on CUDA come from CUDA events after warm-up
+(``leantrain.compare.optimizer_step.Clock``); on CPU (``--quick``) from the wall
+clock. Each is the median over the timed repeats.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks import gefen_step
 from leantrain.compare.devices import device_clock
+from leantrain.compare.optimizer_step import Clock, gpt2_shapes, measure
 from leantrain.data import TokenBatches, load_stdlib_text
 from leantrain.layer_parallel.costs.projection import (
     MGRITSetting,
@@ -82,22 +85,22 @@ QUICK = Size(
 
 
 def optimizer_step(size: Size, device: torch.device, dtypes=("float32", "bfloat16")):
-    """``benchmarks/gefen_step.py``'s measurement at ``size``'s GPT-2 layout: per
+    """:func:`leantrain.compare.optimizer_step.measure` at ``size``'s GPT-2 layout: per
     dtype, every contender round-robin on the same fixed gradients, ``opt_steps``
     rounds at most and none started past ``opt_budget_s`` once 3 are timed; one row
-    per dtype and contender (the benchmark's row, with its dtype)."""
-    shapes = gefen_step.gpt2_shapes(
+    per dtype and contender (``measure``'s row, with its dtype)."""
+    shapes = gpt2_shapes(
         size.opt_layers, size.opt_width, size.opt_vocab, size.opt_context
     )
     rows = []
     for name in dtypes:
-        measured = gefen_step.measure(
+        measured = measure(
             shapes,
             getattr(torch, name),
             device,
             repeats=size.opt_steps,
             budget_s=size.opt_budget_s,
-            clock=gefen_step.Clock(device),
+            clock=Clock(device),
         )
         rows += [{"dtype": name, **row} for row in measured]
     parameters = sum(math.prod(s) for s in shapes)
@@ -128,7 +131,7 @@ PRECOND_LOOPS = {
 
 def precond_step(size: Size, device: torch.device, warmup: int = 3):
     """Per loop: median, mean and max ms of a whole training step and mean x AdamW's."""
-    clock = gefen_step.Clock(device)
+    clock = Clock(device)
     base_model = _gpt(size, device)
     g = torch.Generator(device=device).manual_seed(0)
     shape = (size.precond_batch, size.tokens)
@@ -239,7 +242,7 @@ def training(size: Size, device: torch.device, warmup: int = 3):
 def _copy_cost(device: torch.device, numel: int, through_host: bool) -> float:
     """Seconds to move ``numel`` fp32 values device to device, or (``through_host``)
     device -> pinned host -> device: half a round trip, as a message."""
-    clock = gefen_step.Clock(device)
+    clock = Clock(device)
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     pin = device.type == "cuda" and through_host

@@ -1,5 +1,7 @@
-"""benchmarks/gefen_step.py in its quick mode (GPT-2's layout, tiny) on CPU: every
-contender steps, the ratios come from one run, and the tables are written."""
+"""benchmarks/gefen_step.py, the thin script over leantrain.compare.optimizer_step
+(whose measurement tests/compare/test_optimizer_step.py checks), in its quick mode
+(GPT-2's layout, tiny) on CPU: every contender steps, the ratios come from one run,
+and the tables are written and printed."""
 
 from __future__ import annotations
 

@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from leantrain.compare import optimizer_step
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -51,12 +54,16 @@ def test_the_gpu_suite_is_collected_without_cuda(quick):
     assert f"{suite['collected']} tests collected" in md.read_text()
 
 
-def test_the_step_benchmark_runs_in_quick_mode(quick):
-    """gpu_check.sh runs benchmarks/gefen_step.py (its quick layout without CUDA)."""
-    out = quick[1].parent / "gefen_step"
-    result = json.loads((out / "gefen_step.json").read_text())
-    assert set(result["dtypes"]) == {"float32"}  # bf16 too on CUDA
-    assert "Gefen 8-bit (defaults)" in (out / "gefen_step.md").read_text()
+def test_the_optimizer_step_is_measured_once(quick):
+    """gpu_check.sh no longer runs benchmarks/gefen_step.py beside the section: the
+    section's rows are the one measurement, each dtype's in the contenders' order."""
+    out = quick[1].parent
+    assert not (out / "gefen_step").exists() and not (out / "gefen_step.log").exists()
+    rows = quick[0]["sections"]["optimizer_step"]["result"]["rows"]
+    names = list(optimizer_step.contenders(torch.device("cpu")))
+    assert [(r["dtype"], r["optimizer"]) for r in rows] == [
+        (dtype, name) for dtype in ("float32", "bfloat16") for name in names
+    ]
 
 
 def test_every_section_reports_and_the_markdown_shows_it(quick):

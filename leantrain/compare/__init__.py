@@ -9,6 +9,9 @@ tqdm, matplotlib and scikit-learn, are the ``compare`` extra:
 * :mod:`~leantrain.compare.optimizers`: every optimizer compared, one name each
   (:data:`OPTIMIZERS`), and the lists the command offers (:data:`VARIANTS`,
   :data:`PEERS`); :mod:`~leantrain.compare.measure`: state bytes and step memory;
+  :mod:`~leantrain.compare.optimizer_step`: one optimizer step of several
+  contenders timed over a model's parameter shapes, CPU or CUDA (what
+  ``benchmarks/gefen_step.py`` prints and the GPU check's optimizer-step section);
 * :mod:`~leantrain.compare.tasks`: the seeded models and data (:data:`TASKS`);
   :mod:`~leantrain.compare.training`: the training loop (:func:`train_one`);
   :mod:`~leantrain.compare.lr`: the warm-up and cosine decay of the learning rate;
