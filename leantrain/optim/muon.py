@@ -31,11 +31,11 @@ from ._muon_groups import ADAMW_KEYS, items_of, muon_param_groups, tensor_of
 from ._muon_math import (
     DEFAULT_NS_COEFFICIENTS,
     adjust_lr,
-    default_ns_dtype,
     muon_step,
     newton_schulz,
     newton_schulz_reference,
 )
+from ._muon_side import MuonEntry, step_muon_side
 from ._muon_state import check_muon_options, check_ns_dtype, load_pre_hook
 from ._options import options_of, resolved, stochastic_codes_of, update_clip_of
 from ._state import new_state
@@ -318,28 +318,12 @@ class GefenMuon(GefenBase):
         # As in Gefen: a parameter's position keys its rounding streams, and
         # momentum_rounding="auto" rounds 4-bit codes stochastically (both sides).
         position = self._positions()
-        for group, param, _ in active:
-            if not group["use_muon"]:
-                continue
-            state = self.state[param]
-            codebook = state.get("codebook")
-            muon_step(
-                param,
-                param.grad,
-                state,
-                lr=float(group["lr"]),
-                weight_decay=float(group["weight_decay"]),
-                momentum=float(group["momentum"]),
-                nesterov=group["nesterov"],
-                ns_coefficients=group["ns_coefficients"],
-                ns_steps=group["ns_steps"],
-                eps=float(group["eps"]),
-                adjust_lr_fn=group["adjust_lr_fn"],
-                ns_dtype=group["ns_dtype"] or default_ns_dtype(param.device),
-                nearest=None if codebook is None else self._quantizer(codebook),
-                stochastic_codes=stochastic_codes_of(group),
-                seed=position[id(param)],
-            )
+        entries = [
+            MuonEntry(group, param, self.state[param], position[id(param)])
+            for group, param, _ in active
+            if group["use_muon"]
+        ]
+        step_muon_side(entries, self._quantizer)
         # The AdamW side: Gefen's dispatch, one kernel call (or a few Triton
         # launches) for all of it; a steady step through its cached plan.
         groups = [g for g in self.param_groups if not g["use_muon"]]
