@@ -1,15 +1,15 @@
 r"""The job tables of Gefen's Triton step: one parameter's *job*, and the layout
 of a launch's jobs that stays from step to step (host side, no kernels).
 
-A job (:func:`job`) is one parameter's pointers, sizes, per-step scalars and
+A job (``_triton_step.job``) is one parameter's pointers, sizes, per-step scalars and
 keys, as the C kernel's ``_cabi.c_job``. :func:`build_layout` orders a launch's
 jobs by (gradient dtype, parameter dtype), so that each pair is one contiguous
 *segment* of rows (one launch), and builds what stays while the same states step
 again (:class:`Layout`): the int64 job table but for the columns a step writes
-(:func:`fill`: the gradient pointer and the rounding keys), each segment's search
-table, and the factored jobs' scratch and launch grids. :class:`Tables` keeps the
-layouts of one set of jobs (the dispatch's cache holds one);
-``_triton_step.launch`` uses them.
+(``_triton_step.fill``: the gradient pointer and the rounding keys), each
+segment's search table, and the factored jobs' scratch and launch grids.
+:class:`Tables` keeps the layouts of one set of jobs (the dispatch's cache holds
+one); ``_triton_step.launch`` uses them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import Tensor
 from ._state_layout import packed_codes
 from ._triton_tables import DeviceCodebook, columns, device_codebook, pow2, starts
 
-__all__ = ["FACTOR_ROWS", "Job", "Layout", "Tables", "build_layout", "fill", "job"]
+__all__ = ["FACTOR_ROWS", "MAX_TILE", "Job", "Layout", "Tables", "build_layout"]
 
 MAX_TILE = 1024  # elements a program holds at once (a longer unit takes 2 passes)
 FACTOR_ROWS = 16  # rows of a factor-sum tile
@@ -43,23 +43,6 @@ class Job:
     key: int  # its rounding key (precision.rounding_key)
     code_key: int | None  # the codes' key (code_rounding.code_key), None: nearest
     index0: int  # global flat index of element 0 (a shard's offset)
-
-
-def job(
-    param: Tensor,
-    grad: Tensor,
-    state: dict,
-    hyper: dict[str, float],
-    *,
-    layout: tuple[int, int, int],
-    stochastic: bool = False,
-    key: int = 0,
-    code_key: int | None = None,
-    index0: int = 0,
-) -> Job:
-    """One parameter's job (``state['step']`` already advanced by the caller, as
-    for the C kernel's ``_cabi.c_job``; the caller checked :func:`problem`)."""
-    return Job(param, grad, state, layout, hyper, stochastic, key, code_key, index0)
 
 
 @dataclass
@@ -269,10 +252,6 @@ def build_layout(jobs: list[Job], device: torch.device) -> Layout:
         factor_launches,
         codebooks,
     )
-
-
-def fill(table: Tensor, column: int, values: list[int]) -> None:
-    table[:, column] = torch.tensor(values, dtype=torch.int64)
 
 
 def _factor_launches(jobs: list[Job], factored: list[_Factored], device) -> tuple:

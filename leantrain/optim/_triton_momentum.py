@@ -1,11 +1,13 @@
 r"""GefenMuon's momentum on the GPU: the host side of ``_triton_momentum_kernel``.
 
 GefenMuon's Muon side (``muon.py``) sends the parameters whose tensors
-``_triton_step.serves`` here when :func:`problem` finds nothing the kernel does
-not cover; each becomes a *job* (:func:`job`), and :func:`launch` steps every
-job's momentum at once and returns each one's Newton–Schulz input (the exact new
-fp32 momentum, or the Nesterov blend), which ``_muon_math.muon_update`` then
-orthogonalizes and applies in torch. ``_muon_math.muon_momentum`` is the
+``_triton_step.serves`` (CUDA) to :func:`step_on_triton` when :func:`problem` finds
+nothing the kernel does not cover (the others step through the reference
+``_muon_math.muon_step``, one at a time). Each becomes a *job* (:func:`job`);
+:func:`launch` steps every job's momentum at once and returns each one's
+Newton–Schulz input (the exact new fp32 momentum, or the Nesterov blend), which
+``_muon_math.muon_update`` then orthogonalizes and applies in torch, per
+parameter, as Muon's always are. ``_muon_math.muon_momentum`` is the
 reference: codes equal but for ties, the returned tensor to fp32 rounding,
 stochastic codes on the same keyed bits.
 
@@ -18,26 +20,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
 
+from ._muon_math import default_ns_dtype, muon_update
+from ._options import stochastic_codes_of
 from ._state_layout import packed_codes
 from ._triton_layout import MAX_TILE
+from ._triton_step import log_jobs, signed, tl_dtype, upload
 from ._triton_tables import (
     DeviceCodebook,
     columns,
     device_codebook,
-    log_jobs,
     momentum_kernels,
     pow2,
-    signed,
-    starts,
-    tl_dtype,
-    upload,
 )
+from .code_rounding import code_key
 
-__all__ = ["MomentumJob", "job", "launch", "problem"]
+__all__ = ["MomentumJob", "MuonEntry", "job", "launch", "problem", "step_on_triton"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -194,7 +196,8 @@ def _launch(jobs, indices, outs, device: torch.device, opts: dict) -> int:
         momentum_kernels.momentum_kernel[(sum(units[lo:hi]),)](
             jobs_t[lo:hi],
             hyper_t[lo:hi],
-            starts(units[lo:hi], device),
+            # each job's first program, then the total (the kernel's search table)
+            upload(list(accumulate(units[lo:hi], initial=0)), torch.int64, device),
             hi - lo,
             TILE=pow2(longest, 16, MAX_TILE),
             LOG_JOBS=log_jobs(hi - lo),
@@ -205,3 +208,48 @@ def _launch(jobs, indices, outs, device: torch.device, opts: dict) -> int:
         count += 1
         lo = hi
     return count
+
+
+@dataclass
+class MuonEntry:
+    """One Muon parameter of this step: its group, state and rounding seed."""
+
+    group: dict
+    param: Tensor
+    state: dict
+    seed: int  # its position in the optimizer (code_rounding.code_key)
+
+
+def step_on_triton(entries: list[MuonEntry]) -> int:
+    """One Muon step of every entry, in place (the caller checked
+    :func:`problem`). Returns the number of Triton launches."""
+    jobs = []
+    for e in entries:
+        e.state["step"] += 1
+        stochastic = stochastic_codes_of(e.group) and "codebook" in e.state
+        key = code_key(e.seed, int(e.state["step"])) if stochastic else None
+        jobs.append(
+            job(
+                e.param,
+                e.param.grad,
+                e.state,
+                momentum=float(e.group["momentum"]),
+                nesterov=e.group["nesterov"],
+                code_key=key,
+            )
+        )
+    updates, launches = launch(jobs)
+    for e, update in zip(entries, updates, strict=True):
+        group = e.group
+        muon_update(
+            e.param,
+            update,
+            lr=float(group["lr"]),
+            weight_decay=float(group["weight_decay"]),
+            ns_coefficients=group["ns_coefficients"],
+            ns_steps=group["ns_steps"],
+            eps=float(group["eps"]),
+            adjust_lr_fn=group["adjust_lr_fn"],
+            ns_dtype=group["ns_dtype"] or default_ns_dtype(e.param.device),
+        )
+    return launches

@@ -43,17 +43,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from ._triton_layout import FACTOR_ROWS, Job, Layout, Tables, build_layout, fill, job
-from ._triton_tables import (
-    columns,
-    factored_kernels,
-    kernels,
-    log_jobs,
-    signed,
-    tl_dtype,
-    triton,
-    upload,
-)
+from ._triton_layout import FACTOR_ROWS, Job, Layout, Tables, build_layout
+from ._triton_tables import COLUMNS, factored_kernels, kernels, triton
 
 __all__ = [
     "Job",
@@ -64,6 +55,7 @@ __all__ = [
     "launch",
     "problem",
     "serves",
+    "upload",
     "warn_fallback",
 ]
 
@@ -141,6 +133,55 @@ def warn_fallback(reason: str) -> None:
     )
 
 
+def job(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    hyper: dict[str, float],
+    *,
+    layout: tuple[int, int, int],
+    stochastic: bool = False,
+    key: int = 0,
+    code_key: int | None = None,
+    index0: int = 0,
+) -> Job:
+    """One parameter's job (``state['step']`` already advanced by the caller, as
+    for the C kernel's ``_cabi.c_job``; the caller checked :func:`problem`)."""
+    return Job(param, grad, state, layout, hyper, stochastic, key, code_key, index0)
+
+
+def upload(rows: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A table built on the host, on ``device`` without waiting for it (pinned:
+    the copy is asynchronous, and the pinned block is not reused before it ran)."""
+    table = rows if isinstance(rows, Tensor) else torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
+def signed(key: int) -> int:
+    """A 64-bit key as the int64 with its bits."""
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def fill(table: Tensor, column: int, values: list[int]) -> None:
+    table[:, column] = torch.tensor(values, dtype=torch.int64)
+
+
+def log_jobs(count: int) -> int:
+    """Probes of the kernels' binary search over ``count`` jobs."""
+    return max(1, (count - 1).bit_length())
+
+
+def tl_dtype(dtype: torch.dtype):
+    """Triton's name of a parameter or gradient dtype (fp32, bf16, fp16)."""
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(
+        dtype, tl.float16
+    )
+
+
 def launch(jobs: list[Job], tables: Tables | None = None) -> int:
     """One Gefen step of every job, on the device of its tensors (CPU tensors run
     through the interpreter). Returns the number of kernel launches: per device,
@@ -174,7 +215,7 @@ def launch(jobs: list[Job], tables: Tables | None = None) -> int:
 def _launch(jobs: list[Job], layout: Layout, device: torch.device, opts: dict) -> int:
     """:func:`launch`'s work on one device: this step's columns of the kept
     tables, the uploads, the kernels (``opts``: their compile options)."""
-    k, q = kernels, columns()
+    k, q = kernels, COLUMNS
     exact = device.type == "cpu"  # the interpreter's tl.fma rounds twice
     jobs = [jobs[i] for i in layout.order]
     table = layout.table.clone()
@@ -208,7 +249,7 @@ def _launch_factored(jobs, layout: Layout, hyper_t, device, opts) -> int:
     """The three launches that advance the factored jobs' factors and leave this
     step's ``a`` and ``b`` in scratch; returns 3 (the row sums go once per
     gradient dtype, so more with mixed gradient dtypes)."""
-    k = columns()
+    k = COLUMNS
     factored, cols_tile = layout.factored, layout.cols_tile
     rows_segments, (col_programs, col_starts), rows_tile, a_grid = (
         layout.factor_launches

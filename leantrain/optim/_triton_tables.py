@@ -5,7 +5,8 @@ find everything through tables: each job's row of pointers and sizes (its column
 ``J_*`` there, are :func:`columns`), the search table of each job's first program
 (:func:`starts`), and each codebook's quantizer table (:func:`device_codebook`,
 built once per codebook version and device). This module builds them on the host
-and copies them to the device without waiting for it (:func:`upload`).
+once per layout; a steady step only uploads its per-step columns
+(``_triton_step.upload``).
 """
 
 from __future__ import annotations
@@ -28,17 +29,7 @@ try:  # an optional dependency: the CPU path never needs it
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = kernels = factored_kernels = momentum_kernels = None
 
-__all__ = [
-    "DeviceCodebook",
-    "columns",
-    "device_codebook",
-    "log_jobs",
-    "pow2",
-    "signed",
-    "starts",
-    "tl_dtype",
-    "upload",
-]
+__all__ = ["COLUMNS", "DeviceCodebook", "columns", "device_codebook", "pow2", "starts"]
 
 # The codebooks' device tables: (id, device) -> (weak ref, version, DeviceCodebook).
 _tables: dict[tuple[int, str], tuple] = {}
@@ -103,23 +94,9 @@ def columns():
     return _COLUMNS
 
 
-def signed(key: int) -> int:
-    """A 64-bit key as the int64 with its bits."""
-    return key - (1 << 64) if key >= 1 << 63 else key
-
-
 def pow2(x: int, lo: int, hi: int) -> int:
     """The power of two >= x, clamped to [lo, hi]."""
     return max(lo, min(hi, 1 << max(0, int(x) - 1).bit_length()))
-
-
-def upload(rows: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A table built on the host, on ``device`` without waiting for it (pinned:
-    the copy is asynchronous, and the pinned block is not reused before it ran)."""
-    table = rows if isinstance(rows, Tensor) else torch.tensor(rows, dtype=dtype)
-    if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
-    return table
 
 
 def starts(counts: list[int], device: torch.device) -> Tensor:
@@ -127,18 +104,9 @@ def starts(counts: list[int], device: torch.device) -> Tensor:
     out = [0]
     for c in counts:
         out.append(out[-1] + c)
-    return upload(out, torch.int64, device)
+    # built once per layout (not in a steady step): a plain copy will do
+    return torch.tensor(out, dtype=torch.int64, device=device)
 
 
-def log_jobs(count: int) -> int:
-    """Probes of the kernels' binary search over ``count`` jobs."""
-    return max(1, (count - 1).bit_length())
-
-
-def tl_dtype(dtype: torch.dtype):
-    """Triton's name of a parameter or gradient dtype (fp32, bf16, fp16)."""
-    import triton.language as tl
-
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(
-        dtype, tl.float16
-    )
+# The columns as a constant, for the steady step's launches (no call to look them up).
+COLUMNS = columns() if kernels is not None else None

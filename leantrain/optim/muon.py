@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from . import _checks
+from . import _checks, _triton_momentum, _triton_step
 from ._base import GefenBase
 from ._dispatch import StepItem
 from ._first_codebook import learn_first_codebook
@@ -31,11 +31,11 @@ from ._muon_groups import ADAMW_KEYS, items_of, muon_param_groups, tensor_of
 from ._muon_math import (
     DEFAULT_NS_COEFFICIENTS,
     adjust_lr,
+    default_ns_dtype,
     muon_step,
     newton_schulz,
     newton_schulz_reference,
 )
-from ._muon_side import MuonEntry, step_muon_side
 from ._muon_state import check_muon_options, check_ns_dtype, load_pre_hook
 from ._options import options_of, resolved, stochastic_codes_of, update_clip_of
 from ._state import new_state
@@ -318,12 +318,36 @@ class GefenMuon(GefenBase):
         # As in Gefen: a parameter's position keys its rounding streams, and
         # momentum_rounding="auto" rounds 4-bit codes stochastically (both sides).
         position = self._positions()
-        entries = [
-            MuonEntry(group, param, self.state[param], position[id(param)])
-            for group, param, _ in active
-            if group["use_muon"]
-        ]
-        step_muon_side(entries, self._quantizer)
+        on_triton = []  # momentum through one Triton launch (per gradient dtype)
+        for group, param, _ in active:
+            if not group["use_muon"]:
+                continue
+            state = self.state[param]
+            if self._takes_triton(param, state):
+                on_triton.append(
+                    _triton_momentum.MuonEntry(group, param, state, position[id(param)])
+                )
+                continue
+            codebook = state.get("codebook")
+            muon_step(
+                param,
+                param.grad,
+                state,
+                lr=float(group["lr"]),
+                weight_decay=float(group["weight_decay"]),
+                momentum=float(group["momentum"]),
+                nesterov=group["nesterov"],
+                ns_coefficients=group["ns_coefficients"],
+                ns_steps=group["ns_steps"],
+                eps=float(group["eps"]),
+                adjust_lr_fn=group["adjust_lr_fn"],
+                ns_dtype=group["ns_dtype"] or default_ns_dtype(param.device),
+                nearest=None if codebook is None else self._quantizer(codebook),
+                stochastic_codes=stochastic_codes_of(group),
+                seed=position[id(param)],
+            )
+        if on_triton:
+            _triton_momentum.step_on_triton(on_triton)
         # The AdamW side: Gefen's dispatch, one kernel call (or a few Triton
         # launches) for all of it; a steady step through its cached plan.
         groups = [g for g in self.param_groups if not g["use_muon"]]
@@ -344,6 +368,18 @@ class GefenMuon(GefenBase):
             )
         self._dispatched_step(groups, adamw, items)
         return loss
+
+    def _takes_triton(self, param: Tensor, state: dict) -> bool:
+        """Whether a Muon parameter's momentum takes the Triton kernel: its device
+        is one ``_triton_step.serves`` (asked once per device, whose answer it is,
+        so a CPU step enters no Triton module) and the kernel covers its tensors."""
+        served = self.__dict__.setdefault("_served_devices", {})
+        if param.device not in served:
+            served[param.device] = _triton_step.serves(param.device)
+        return (
+            served[param.device]
+            and _triton_momentum.problem(param, param.grad, state) is None
+        )
 
     def _quantizer(self, codebook: Tensor) -> NearestCode:
         """The quantizer of ``codebook``, built once and kept while the codebook is
