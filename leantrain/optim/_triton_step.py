@@ -7,7 +7,11 @@ the kernels do not cover; the kernels (``_triton_kernels.py``) compute
 counter-based random bits, so a run moved between CPU and GPU continues on the
 same stream. Like the C kernel's ``_cabi``, this module turns each parameter into
 a *job* (:func:`job`: pointers, sizes, per-step scalars and keys) and steps a list
-of jobs at once (:func:`launch`).
+of jobs at once (:func:`launch`). What a steady step runs is here; what is built
+once per set of jobs is in ``_triton_layout`` (the kept job tables, segments and
+factored scratch) and ``_triton_tables`` (the kernels' columns, the codebooks'
+device tables, the search tables). GefenMuon's momentum takes its own kernel
+through ``_triton_momentum`` (one launch per gradient dtype).
 
 **Covered:** 8-bit and 4-bit codes (packed or one per byte) and fp32 momentum;
 second moment per block, per element or factored; nearest and stochastic codes;
