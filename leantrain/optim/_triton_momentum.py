@@ -99,11 +99,8 @@ def _row(j: MomentumJob, out: Tensor, codebook: DeviceCodebook | None) -> list[i
     row[q.J_OUT], row[q.J_GRAD] = out.data_ptr(), j.grad.data_ptr()
     row[q.J_N] = j.param.numel()
     if codebook is None:  # fp32 momentum: a block is only a unit of work
-        row[q.J_M], row[q.J_BLOCK], row[q.J_UNIT] = (
-            j.state["exp_avg"].data_ptr(),
-            MAX_TILE,
-            1,
-        )
+        row[q.J_M] = j.state["exp_avg"].data_ptr()
+        row[q.J_BLOCK], row[q.J_UNIT] = MAX_TILE, 1
         return row
     bits = 4 if j.state["codebook"].numel() == 16 else 8
     block = int(j.state["qblock"])

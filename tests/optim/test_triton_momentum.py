@@ -203,6 +203,48 @@ def test_cuda_momentum_matches_reference(shape, period, bits, stochastic, nester
     momentum_case("cuda", shape, period, bits, stochastic, nesterov)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_gefen_muon_trains_as_on_the_cpu(bits, monkeypatch):
+    """GefenMuon on a CUDA model takes the momentum kernel (one launch a step) and
+    follows the CPU run (reference Muon side, C-kernel AdamW side): losses to fp32
+    rounding over a few steps (Newton–Schulz in fp32 on both)."""
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)
+    )
+    gpu = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)
+    ).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x, y = torch.randn(128, 64), torch.randn(128, 10)
+    opts = [
+        GefenMuon(m.parameters(), momentum_bits=bits, ns_dtype=torch.float32)
+        for m in (cpu, gpu)
+    ]
+    seen = []
+    real = _triton_momentum.launch
+
+    def counting(jobs):
+        outs, count = real(jobs)
+        seen.append(count)
+        return outs, count
+
+    monkeypatch.setattr(_triton_momentum, "launch", counting)
+    for _ in range(5):
+        losses = []
+        for m, opt in zip((cpu, gpu), opts, strict=True):
+            device = next(m.parameters()).device
+            opt.zero_grad()
+            loss = (m(x.to(device)) - y.to(device)).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert seen == [1] * 5
+
+
 def test_uncovered_tensors_are_named():
     """What the kernel does not cover is named (the reference path takes it)."""
     p, g = torch.randn(8, 4), torch.randn(8, 4)
