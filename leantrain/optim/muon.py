@@ -347,7 +347,10 @@ class GefenMuon(GefenBase):
                 seed=position[id(param)],
             )
         if on_triton:
-            _triton_momentum.step_on_triton(on_triton)
+            tables = self.__dict__.get("_momentum_tables")
+            if tables is None:  # the job tables, kept while the same states step
+                tables = self._momentum_tables = _triton_momentum.MomentumTables()
+            _triton_momentum.step_on_triton(on_triton, tables)
         # The AdamW side: Gefen's dispatch, one kernel call (or a few Triton
         # launches) for all of it; a steady step through its cached plan.
         groups = [g for g in self.param_groups if not g["use_muon"]]

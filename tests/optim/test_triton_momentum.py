@@ -149,6 +149,40 @@ def test_one_launch_per_gradient_dtype():
         assert_momentum_parity(state, ref, out, expected, n, exact_codes=False, ties=1)
 
 
+@interpreter
+def test_kept_tables_step_as_fresh_ones_through_changes():
+    """Tables kept from step to step give the reference's results, are reused
+    while the states hold, and are rebuilt when a state's codebook changes (its
+    rows point at the codebook's device table; new state tensors change the key
+    by their addresses)."""
+    shapes = [(6, 10), (5, 7)]
+    params = [torch.randn(shape) for shape in shapes]
+    states = [muon_state(shape, 5, 8, seed=i) for i, shape in enumerate(shapes)]
+    tables = _triton_momentum.MomentumTables()
+    kept = []
+    for step in range(4):
+        if step == 2:  # another codebook for the first state, same tensors
+            states[0]["codebook"] = -states[0]["codebook"].flip(0)
+        grads = [torch.randn(shape) for shape in shapes]
+        refs = [copy_state(st) for st in states]
+        jobs, expected = [], []
+        for p, g, st, ref in zip(params, grads, states, refs, strict=True):
+            st["step"] += 1
+            ref["step"] += 1
+            jobs.append(_triton_momentum.job(p, g, st, momentum=0.9, nesterov=True))
+            expected.append(muon_momentum(p, g, ref, momentum=0.9, nesterov=True))
+        outs, launches = _triton_momentum.launch(jobs, tables)
+        assert launches == 1
+        kept.append(tables.kept[torch.device("cpu")])
+        for st, ref, out, want, p in zip(
+            states, refs, outs, expected, params, strict=True
+        ):
+            assert_momentum_parity(
+                st, ref, out, want, p.numel(), exact_codes=False, ties=1
+            )
+    assert kept[0] is kept[1] and kept[1] is not kept[2] and kept[2] is kept[3]
+
+
 def train(bits, monkeypatch, *, triton: bool, steps=3):
     """A small model's parameters after ``steps`` GefenMuon steps; with ``triton``
     its tensors are served by the Triton kernels (both sides), else the Muon side
@@ -163,8 +197,8 @@ def train(bits, monkeypatch, *, triton: bool, steps=3):
     launches = []
     real = _triton_momentum.launch
 
-    def counting(jobs):
-        outs, count = real(jobs)
+    def counting(jobs, tables=None):
+        outs, count = real(jobs, tables)
         launches.append(count)
         return outs, count
 
@@ -226,8 +260,8 @@ def test_cuda_gefen_muon_trains_as_on_the_cpu(bits, monkeypatch):
     seen = []
     real = _triton_momentum.launch
 
-    def counting(jobs):
-        outs, count = real(jobs)
+    def counting(jobs, tables=None):
+        outs, count = real(jobs, tables)
         seen.append(count)
         return outs, count
 
