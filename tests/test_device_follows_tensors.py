@@ -124,6 +124,10 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
     ("optim/_triton_layout.py", "build_layout", "tensor"): (
         "the kept job tables' host copies, uploaded by _triton_step.upload each step"
     ),
+    ("optim/_triton_momentum.py", "_build", "tensor"): (
+        "the kept momentum job table's host copy, uploaded by _triton_step.upload "
+        "each step"
+    ),
     ("optim/_triton_step.py", "fill", "tensor"): (
         "a step's columns of a host job table, uploaded by _triton_step.upload"
     ),

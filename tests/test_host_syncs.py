@@ -94,10 +94,9 @@ STEADY: dict[str, tuple[str, ...]] = {
         "job",
         "launch",
         "_launch",
-        "_row",
+        "_key",
         "_hyper",
     ),
-    "optim/_triton_tables.py": ("device_codebook", "pow2"),
     "optim/_fused.py": (
         "fused_step",
         "implementation",
@@ -292,13 +291,9 @@ HOST_READS: dict[tuple[str, str, str], str] = {
     ("optim/_triton_momentum.py", "step_on_triton", "int()"): _CPU_STATE,
     ("optim/_triton_momentum.py", "step_on_triton", "float()"): _OPTION,
     ("optim/muon.py", "GefenMuon.step", "float()"): _OPTION,
-    ("optim/_triton_momentum.py", "_row", "int()"): (
-        _CPU_STATE + "; and host flags (packed codes, stochastic codes) as 0 or 1"
-    ),
-    ("optim/_triton_tables.py", "pow2", "int()"): _OPTION,
-    ("optim/_triton_tables.py", "device_codebook", "int()"): (
-        "only when a codebook's device table is built (once per codebook version): "
-        "a count over its host quantizer table"
+    ("optim/_triton_momentum.py", "_key", "int()"): _CPU_STATE,
+    ("optim/_triton_momentum.py", "_launch", "int()"): (
+        "a host flag (stochastic codes) as 0 or 1"
     ),
     ("optim/_state.py", "state_bits", "int()"): _OPTION,
     ("optim/_state.py", "check_factored", "int()"): _CPU_STATE,
