@@ -373,14 +373,17 @@ class GefenMuon(GefenBase):
         return loss
 
     def _takes_triton(self, param: Tensor, state: dict) -> bool:
-        """Whether a Muon parameter's momentum takes the Triton kernel: its device
-        is one ``_triton_step.serves`` (asked once per device, whose answer it is,
-        so a CPU step enters no Triton module) and the kernel covers its tensors."""
+        """Whether a Muon parameter's momentum takes the Triton kernel: it is
+        quantized (fp32 momentum keeps ``torch.optim.Muon``'s own ops, bit for
+        bit), its device is one ``_triton_step.serves`` (asked once per device,
+        whose answer it is, so a CPU step enters no Triton module) and the kernel
+        covers its tensors."""
         served = self.__dict__.setdefault("_served_devices", {})
         if param.device not in served:
             served[param.device] = _triton_step.serves(param.device)
         return (
             served[param.device]
+            and "codebook" in state
             and _triton_momentum.problem(param, param.grad, state) is None
         )
 

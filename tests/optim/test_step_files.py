@@ -99,7 +99,7 @@ def test_a_steady_triton_step_enters_at_most_eight_files(bits, monkeypatch):
     not _triton_step.interpreting(),
     reason="the Triton kernels run on CPU tensors only under the interpreter",
 )
-@pytest.mark.parametrize("bits", [8, None])
+@pytest.mark.parametrize("bits", [8])
 def test_a_steady_triton_gefen_muon_step_enters_at_most_eight_files(bits, monkeypatch):
     """GefenMuon as on CUDA: the Muon side's momentum through its Triton kernel on
     kept tables, the AdamW side through Gefen's Triton plan (kernel frames left
