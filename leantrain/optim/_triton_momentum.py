@@ -1,9 +1,9 @@
 r"""GefenMuon's momentum on the GPU: the host side of ``_triton_momentum_kernel``.
 
-GefenMuon's Muon side (``muon.py``) sends the parameters whose tensors
-``_triton_step.serves`` (CUDA) to :func:`step_on_triton` when :func:`problem` finds
-nothing the kernel does not cover (the others step through the reference
-``_muon_math.muon_step``, one at a time). Each becomes a *job* (:func:`job`);
+GefenMuon's Muon side (``muon.py``) sends the parameters with quantized momentum
+whose tensors ``_triton_step.serves`` (CUDA) to :func:`step_on_triton` when
+:func:`problem` finds nothing the kernel does not cover (the others, and fp32
+momentum, step through the reference ``_muon_math.muon_step``, one at a time). Each becomes a *job* (:func:`job`);
 :func:`launch` steps every job's momentum at once and returns each one's
 Newton–Schulz input (the exact new fp32 momentum, or the Nesterov blend), which
 ``_muon_math.muon_update`` then orthogonalizes and applies in torch, per
@@ -13,7 +13,10 @@ stochastic codes on the same keyed bits.
 
 **Launches per step:** one per gradient dtype among the jobs on a device (one
 for a model of one dtype), whatever the number of parameters; the Newton–Schulz
-iterations that follow are per parameter, as Muon's always are.
+iterations that follow are per parameter, as Muon's always are. The job table
+is kept from step to step in :class:`MomentumTables` while the same states step:
+a steady step writes only the gradient pointers and code keys, and uploads the
+table and the scalars without waiting for the device.
 """
 
 from __future__ import annotations
