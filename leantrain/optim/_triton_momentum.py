@@ -3,8 +3,9 @@ r"""GefenMuon's momentum on the GPU: the host side of ``_triton_momentum_kernel`
 GefenMuon's Muon side (``muon.py``) sends the parameters with quantized momentum
 whose tensors ``_triton_step.serves`` (CUDA) to :func:`step_on_triton` when
 :func:`problem` finds nothing the kernel does not cover (the others, and fp32
-momentum, step through the reference ``_muon_math.muon_step``, one at a time). Each becomes a *job* (:func:`job`);
-:func:`launch` steps every job's momentum at once and returns each one's
+momentum, step through the reference ``_muon_math.muon_step``, one at a time).
+Each becomes a *job* (:func:`job`); :func:`launch` steps every job's momentum at
+once and returns each one's
 Newton–Schulz input (the exact new fp32 momentum, or the Nesterov blend), which
 ``_muon_math.muon_update`` then orthogonalizes and applies in torch, per
 parameter, as Muon's always are. ``_muon_math.muon_momentum`` is the
