@@ -113,19 +113,23 @@ HOST_SIDE: dict[tuple[str, str, str], str] = {
         "arange",
     ): "moved to the state's device by its caller",
     ("optim/_state.py", "new_state", "tensor"): _HOST_STATE,
-    ("optim/_triton_step.py", "_device_table", "full"): (
+    ("optim/_triton_tables.py", "device_codebook", "full"): (
         _CODEBOOK + ", then moved to the parameters' device"
     ),
     (
         "optim/_triton_step.py",
-        "_upload",
+        "upload",
         "tensor",
     ): "the kernels' job tables, built on the host and copied to the device",
-    ("optim/_triton_step.py", "_layout", "tensor"): (
-        "the kept job tables' host copies, uploaded by _upload each step"
+    ("optim/_triton_layout.py", "build_layout", "tensor"): (
+        "the kept job tables' host copies, uploaded by _triton_step.upload each step"
     ),
-    ("optim/_triton_step.py", "_fill", "tensor"): (
-        "a step's columns of a host job table, uploaded by _upload"
+    ("optim/_triton_momentum.py", "_build", "tensor"): (
+        "the kept momentum job table's host copy, uploaded by _triton_step.upload "
+        "each step"
+    ),
+    ("optim/_triton_step.py", "fill", "tensor"): (
+        "a step's columns of a host job table, uploaded by _triton_step.upload"
     ),
     ("optim/gefen.py", "Gefen._template_step", "tensor"): _HOST_STATE,
     ("optim/factored.py", "_native_means", "empty"): "buffers of the CPU C kernel",

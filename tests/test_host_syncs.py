@@ -76,14 +76,26 @@ STEADY: dict[str, tuple[str, ...]] = {
     # the steady CUDA step: the Triton plan on the kept tables
     "optim/_fused_plan.py": ("StepPlan.holds", "TritonPlan.run", "_fields"),
     "optim/_triton_step.py": (
-        "job",
         "grad_fits",
+        "job",
         "launch",
         "_launch",
         "_launch_factored",
-        "_fill",
-        "_upload",
-        "_signed",
+        "fill",
+        "upload",
+        "signed",
+        "log_jobs",
+        "tl_dtype",
+    ),
+    # GefenMuon's Muon side on CUDA: the momentum launch, then Newton-Schulz
+    "optim/_triton_momentum.py": (
+        "step_on_triton",
+        "problem",
+        "job",
+        "launch",
+        "_launch",
+        "_key",
+        "_hyper",
     ),
     "optim/_fused.py": (
         "fused_step",
@@ -120,8 +132,17 @@ STEADY: dict[str, tuple[str, ...]] = {
     "optim/precision.py": ("round_to", "stochastic_round", "random_bits"),
     "optim/_state_layout.py": ("state_layout", "packed_codes"),
     "optim/_state.py": ("state_bits", "check_factored", "second_moment_length"),
-    "optim/muon.py": ("GefenMuon.step", "GefenMuon._quantizer"),
-    "optim/_muon_math.py": ("muon_step", "newton_schulz"),
+    "optim/muon.py": (
+        "GefenMuon.step",
+        "GefenMuon._takes_triton",
+        "GefenMuon._quantizer",
+    ),
+    "optim/_muon_math.py": (
+        "muon_step",
+        "muon_momentum",
+        "muon_update",
+        "newton_schulz",
+    ),
     "optim/quant.py": (
         "NearestCode.__call__",
         "quantize_blockwise",
@@ -252,7 +273,6 @@ HOST_READS: dict[tuple[str, str, str], str] = {
     ("optim/gefen.py", "Gefen._template_step", "float()"): _OPTION,
     ("optim/gefen.py", "Gefen._template_step", "bool()"): _DCP_INIT,
     ("optim/gefen.py", "Gefen._template_step", "torch.tensor(device=)"): _DCP_INIT,
-    ("optim/muon.py", "GefenMuon.step", "float()"): _OPTION,
     ("optim/_checks.py", "finite_flags", "x.tolist()"): _NONFINITE,
     ("optim/_checks.py", "is_finite", "bool()"): (
         "only for a gradient whose batched norm is not finite (an overflow of "
@@ -267,7 +287,14 @@ HOST_READS: dict[tuple[str, str, str], str] = {
     ("optim/_fused.py", "fused_step", "int()"): _CPU_STATE,
     ("optim/_fused.py", "advance_factors", "int()"): _CPU_STATE,
     ("optim/_fused.py", "check_step", "bool()"): _OPTION,
-    ("optim/_muon_math.py", "muon_step", "int()"): _CPU_STATE,
+    ("optim/_muon_math.py", "muon_momentum", "int()"): _CPU_STATE,
+    ("optim/_triton_momentum.py", "step_on_triton", "int()"): _CPU_STATE,
+    ("optim/_triton_momentum.py", "step_on_triton", "float()"): _OPTION,
+    ("optim/muon.py", "GefenMuon.step", "float()"): _OPTION,
+    ("optim/_triton_momentum.py", "_key", "int()"): _CPU_STATE,
+    ("optim/_triton_momentum.py", "_launch", "int()"): (
+        "a host flag (stochastic codes) as 0 or 1"
+    ),
     ("optim/_state.py", "state_bits", "int()"): _OPTION,
     ("optim/_state.py", "check_factored", "int()"): _CPU_STATE,
     ("optim/_state.py", "second_moment_length", "int()"): _CPU_STATE,

@@ -29,7 +29,9 @@ __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "adjust_lr",
     "default_ns_dtype",
+    "muon_momentum",
     "muon_step",
+    "muon_update",
     "newton_schulz",
     "newton_schulz_reference",
 ]
@@ -215,7 +217,7 @@ def muon_step(
     stochastic_codes: bool = False,
     seed: int = 0,
 ) -> None:
-    r"""One Muon step for one 2-D parameter, in place (fp32 math).
+    r"""One Muon step for one 2-D parameter, in place (fp32 math): the reference.
 
     .. code-block:: text
 
@@ -228,6 +230,9 @@ def muon_step(
     a fresh absmax per block for the next step; this step uses the exact new ``m``
     (as Gefen does, docs/gefen.md). With
     ``momentum_bits=None`` (state key ``exp_avg``) this is ``torch.optim.Muon``.
+    It is :func:`muon_momentum` then :func:`muon_update`; on the GPU, GefenMuon
+    runs the first half for all its parameters in one Triton launch
+    (``_triton_momentum``) and the second as here.
 
     Args:
         param: a 2-D parameter (any floating dtype).
@@ -242,6 +247,44 @@ def muon_step(
             ``code_key(seed, step)`` (:mod:`leantrain.optim.code_rounding`).
     """
     state["step"] += 1
+    update = muon_momentum(
+        param,
+        grad,
+        state,
+        momentum=momentum,
+        nesterov=nesterov,
+        nearest=nearest,
+        stochastic_codes=stochastic_codes,
+        seed=seed,
+    )
+    muon_update(
+        param,
+        update,
+        lr=lr,
+        weight_decay=weight_decay,
+        ns_coefficients=ns_coefficients,
+        ns_steps=ns_steps,
+        eps=eps,
+        adjust_lr_fn=adjust_lr_fn,
+        ns_dtype=ns_dtype,
+    )
+
+
+@torch.no_grad()
+def muon_momentum(
+    param: Tensor,
+    grad: Tensor,
+    state: dict,
+    *,
+    momentum: float,
+    nesterov: bool,
+    nearest: NearestCode | None = None,
+    stochastic_codes: bool = False,
+    seed: int = 0,
+) -> Tensor:
+    """The momentum half of :func:`muon_step` (``state['step']`` already advanced):
+    updates the stored momentum and returns the Newton–Schulz input, the exact
+    new fp32 ``m`` or the Nesterov blend ``lerp(g, m, momentum)``."""
     g = grad.float()
     if "exp_avg" in state:
         buf = state["exp_avg"]
@@ -269,7 +312,24 @@ def muon_step(
             codes = pack_nibbles(codes, check_range=False)
         state["exp_avg_codes"].copy_(codes)
         buf = m  # the exact new momentum; only the stored copy is quantized
-    update = g.lerp(buf, momentum) if nesterov else buf
+    return g.lerp(buf, momentum) if nesterov else buf
+
+
+@torch.no_grad()
+def muon_update(
+    param: Tensor,
+    update: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+    ns_dtype: torch.dtype,
+) -> None:
+    """The update half of :func:`muon_step`: decays ``param`` and moves it by the
+    orthogonalized ``update`` (:func:`muon_momentum`'s result), in place."""
     update = newton_schulz(update, ns_steps, ns_coefficients, eps, dtype=ns_dtype)
     scaled_lr = adjust_lr(lr, adjust_lr_fn, param.shape)
     w = param if param.dtype == torch.float32 else param.float()

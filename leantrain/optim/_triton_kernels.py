@@ -160,11 +160,9 @@ def _momentum(job, hyp, e, ok, amax_old, EXACT: tl.constexpr, G_DTYPE: tl.conste
 
 
 @triton.jit
-def _finish(
-    job, hyp, e, ok, m, amax, den, origin, TILE: tl.constexpr, P_DTYPE: tl.constexpr
-):
-    """Stores the codes (or the fp32 momentum) of elements ``e`` and updates
-    the parameter with the exact new ``m`` over ``den``."""
+def _store_momentum(job, e, ok, m, amax, origin, TILE: tl.constexpr):
+    """Stores the codes of the new momentum ``m`` of elements ``e`` in blocks of
+    absmax ``amax`` (nearest or stochastic codes), or ``m`` itself in fp32."""
     bits = tl.load(job + J_BITS)
     mptr = tl.load(job + J_M)
     if bits == 0:
@@ -205,6 +203,15 @@ def _finish(
             tl.store(codes + where, byte.to(tl.uint8), mask=written)
         else:
             tl.store(codes + e, code.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _finish(
+    job, hyp, e, ok, m, amax, den, origin, TILE: tl.constexpr, P_DTYPE: tl.constexpr
+):
+    """Stores the codes (or the fp32 momentum) of elements ``e`` and updates
+    the parameter with the exact new ``m`` over ``den``."""
+    _store_momentum(job, e, ok, m, amax, origin, TILE)
     param = tl.load(job + J_PARAM).to(tl.pointer_type(P_DTYPE), bitcast=True)
     p = tl.load(param + e, mask=ok, other=0.0).to(tl.float32)
     w = p * tl.load(hyp + 3)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from . import _checks
+from . import _checks, _triton_momentum, _triton_step
 from ._base import GefenBase
 from ._dispatch import StepItem
 from ._first_codebook import learn_first_codebook
@@ -318,10 +318,16 @@ class GefenMuon(GefenBase):
         # As in Gefen: a parameter's position keys its rounding streams, and
         # momentum_rounding="auto" rounds 4-bit codes stochastically (both sides).
         position = self._positions()
+        on_triton = []  # momentum through one Triton launch (per gradient dtype)
         for group, param, _ in active:
             if not group["use_muon"]:
                 continue
             state = self.state[param]
+            if self._takes_triton(param, state):
+                on_triton.append(
+                    _triton_momentum.MuonEntry(group, param, state, position[id(param)])
+                )
+                continue
             codebook = state.get("codebook")
             muon_step(
                 param,
@@ -340,6 +346,11 @@ class GefenMuon(GefenBase):
                 stochastic_codes=stochastic_codes_of(group),
                 seed=position[id(param)],
             )
+        if on_triton:
+            tables = self.__dict__.get("_momentum_tables")
+            if tables is None:  # the job tables, kept while the same states step
+                tables = self._momentum_tables = _triton_momentum.MomentumTables()
+            _triton_momentum.step_on_triton(on_triton, tables)
         # The AdamW side: Gefen's dispatch, one kernel call (or a few Triton
         # launches) for all of it; a steady step through its cached plan.
         groups = [g for g in self.param_groups if not g["use_muon"]]
@@ -360,6 +371,21 @@ class GefenMuon(GefenBase):
             )
         self._dispatched_step(groups, adamw, items)
         return loss
+
+    def _takes_triton(self, param: Tensor, state: dict) -> bool:
+        """Whether a Muon parameter's momentum takes the Triton kernel: it is
+        quantized (fp32 momentum keeps ``torch.optim.Muon``'s own ops, bit for
+        bit), its device is one ``_triton_step.serves`` (asked once per device,
+        whose answer it is, so a CPU step enters no Triton module) and the kernel
+        covers its tensors."""
+        served = self.__dict__.setdefault("_served_devices", {})
+        if param.device not in served:
+            served[param.device] = _triton_step.serves(param.device)
+        return (
+            served[param.device]
+            and "codebook" in state
+            and _triton_momentum.problem(param, param.grad, state) is None
+        )
 
     def _quantizer(self, codebook: Tensor) -> NearestCode:
         """The quantizer of ``codebook``, built once and kept while the codebook is

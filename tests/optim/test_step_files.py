@@ -93,3 +93,28 @@ def test_a_steady_triton_step_enters_at_most_eight_files(bits, monkeypatch):
     assert "_triton_step.py" in host  # the kernels took it, on the kept tables
     assert isinstance(opt._steps.plan, _fused_plan.TritonPlan)
     assert len(host) <= BOUND, sorted(host)
+
+
+@pytest.mark.skipif(
+    not _triton_step.interpreting(),
+    reason="the Triton kernels run on CPU tensors only under the interpreter",
+)
+@pytest.mark.parametrize("bits", [8])
+def test_a_steady_triton_gefen_muon_step_enters_at_most_eight_files(bits, monkeypatch):
+    """GefenMuon as on CUDA: the Muon side's momentum through its Triton kernel on
+    kept tables, the AdamW side through Gefen's Triton plan (kernel frames left
+    out, as above; 4-bit adds the stochastic codes' key files)."""
+    monkeypatch.setenv("LEANTRAIN_NO_NATIVE", "1")
+    monkeypatch.setattr(_triton_step, "serves", lambda device: True)
+    model = _model()
+    opt = GefenMuon(model.parameters(), momentum_bits=bits)
+    entered = _files_of_a_steady_step(opt, model)
+    kernels = {
+        "_triton_kernels.py",
+        "_triton_factored.py",
+        "_triton_rounding.py",
+        "_triton_momentum_kernel.py",
+    }
+    host = entered - kernels
+    assert "_triton_momentum.py" in host  # the Muon side took the kernel
+    assert len(host) <= BOUND, sorted(host)

@@ -637,6 +637,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from leantrain.optim import _triton_factored as f, _triton_kernels as k
+from leantrain.optim import _triton_momentum_kernel as mk
 
 def compile_(fn, types, constants):
     signature = {**types, **{name: "constexpr" for name in constants}}
@@ -658,6 +659,10 @@ compile_(f.factor_rows_kernel, factor, {"ROWS": 16, "COLS": 256, "LOG_JOBS": 6,
 factor = {"fjobs": "*i64", "hypers": "*fp32", "starts": "*i64", "njobs": "i32"}
 compile_(f.factor_cols_kernel, factor, {"COLS": 256, "LOG_JOBS": 6, "EXACT": False})
 compile_(f.factor_a_kernel, factor, {"ROWS": 256, "LOG_JOBS": 6, "EXACT": False})
+for g_dtype in (tl.float32, tl.bfloat16):  # GefenMuon's momentum
+    constants = {"TILE": 1024, "LOG_JOBS": 8, "G_DTYPE": g_dtype, "EXACT": False}
+    ptx = compile_(mk.momentum_kernel, tables, constants).asm["ptx"]
+    assert "div.full" not in ptx, "approximate math"
 print("compiled")
 """
 
