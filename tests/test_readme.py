@@ -48,8 +48,8 @@ def test_readme_curvature_example_ends_below_the_unpreconditioned_loop():
     batches: K-FAC's last-10-step mean loss is lower on each of three seeds."""
     source = parse(README.read_text())[1].source()
     plain = source.replace(
-        'precondition_in_loop(sgd, model, "kfac", config={"preconditioner_interval": 10, '
-        '"curvature_interval": 10})',
+        'precondition_in_loop(sgd, model, "kfac", config={'
+        '"preconditioner_interval": 10, "curvature_interval": 10})',
         "sgd",
     )
     assert plain != source
