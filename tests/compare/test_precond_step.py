@@ -70,6 +70,8 @@ def _measure(model, methods, clock, **kwargs):
     )
 
 
+# PSGD leaves the embedding and norms to the plain gradient and says so
+@pytest.mark.filterwarnings("ignore:PsgdGradientMaker does not precondition")
 @pytest.mark.parametrize("per_method", [False, True])
 def test_arms_means_and_floors_follow_the_registry(per_method):
     model = _gpt()
