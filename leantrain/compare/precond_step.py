@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -252,8 +253,9 @@ def measure(
 
     Raises:
         ValueError: an unknown method or form, a method that cannot run in the
-            requested forms, a reference not in ``references``, or a step count
-            that is not an int (``steps`` >= 1, ``warmup`` >= 0).
+            requested forms, two methods with one label, a reference not in
+            ``references``, or a step count that is not an int (``steps`` and
+            ``refresh_steps`` >= 1, the warm-ups >= 0).
     """
     rows = _methods(methods)
     _check_count("steps", steps, 1)
@@ -356,6 +358,7 @@ def measure(
         run(reference_arms())
         for m in rows:
             run(arms_of(m))
+            gc.collect()  # the makers' hooks hold their models in cycles
             if x.device.type == "cuda":
                 torch.cuda.empty_cache()  # the group's copies are gone
     else:
