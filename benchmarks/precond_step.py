@@ -30,6 +30,10 @@ preconditioner never), one both. A run with the registry's schedule is periodic
 ``((I - I/C) * plain + (I/C - 1) * curvature + refresh) / I`` of the three medians;
 printed against AdamW's median (the **mean x adamw** column).
 
+The measurement is :func:`leantrain.compare.precond_step.measure` (every arm on
+its own copy of the model, one step of each per round); this script builds the
+model and batch and prints its tables.
+
 Run: ``python benchmarks/precond_step.py --tokens 512,2048,8192`` (about 6 minutes
 on one thread). PSGD runs through the maker only (it cannot run inside a loop).
 """
@@ -37,131 +41,45 @@ on one thread). PSGD runs through the maker only (it cannot run inside a loop).
 from __future__ import annotations
 
 import argparse
-import copy
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
-from leantrain.models.gpt import GPT, GPTConfig, lm_loss
-from leantrain.precond import make_gradient_maker, precondition_in_loop
-from leantrain.precond.registry import PRECOND_METHODS
-from leantrain.precond.step_cost import (
-    application_macs,
-    forward_backward_macs,
-    schedule_mean_step,
-)
+from leantrain.compare.optimizer_step import Clock
+from leantrain.compare.precond_step import StepCosts, measure, registry_intervals
+from leantrain.models.gpt import GPT, GPTConfig
 
 SEQ = 64
-# The position embedding sees (T,) positions, not the batch: the hooks skip it.
-# Refreshed at step 0 only: every timed step applies a stored preconditioner.
-NEVER = 10**9
-CONFIG = {
-    "ignore_modules": ("wpe",),
-    "curvature_interval": NEVER,
-    "preconditioner_interval": NEVER,
-}
 IN_LOOP = ("kfac", "ekfac", "shampoo", "soap")
 MAKER_ONLY = ("psgd",)
 LR = 1e-3  # small: nothing moves far in a few steps of random bytes
 
 
-def _base(model: GPT, opt: torch.optim.Optimizer) -> Callable:
-    def step(x, t):
-        opt.zero_grad()
-        lm_loss(model(x), t).backward()
-        opt.step()
-
-    return step
-
-
-def _loop(model: GPT, method: str, config: dict = CONFIG) -> Callable:
-    sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    opt = precondition_in_loop(sgd, model, method, config=dict(config))
-    return _base(model, opt)
-
-
-def _maker(model: GPT, method: str, config: dict = CONFIG) -> tuple[Callable, object]:
-    sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    gm = make_gradient_maker(method, model, config=dict(config))
-    gm.lr = LR  # the KL clip (K-FAC, EKFAC) runs as it does in the loop
-
-    def step(x, t):
-        sgd.zero_grad()
-        y = gm.setup_model_call(model, x)
-        gm.setup_loss_call(lm_loss, y, t)
-        gm.forward_and_backward()
-        sgd.step()
-
-    return step, gm
-
-
-def registry_intervals(method: str) -> tuple[int, int]:
-    """(curvature, preconditioner) interval of the method's registry schedule."""
-    config = PRECOND_METHODS[method].config
-    curvature = config.get("curvature_interval", 1)
-    return curvature, config.get("preconditioner_interval", curvature)
-
-
-def refresh_arms(method: str) -> dict[str, dict]:
-    """The configs of the arms that refresh on every step: the curvature only
-    (when the schedule has curvature steps without a preconditioner update), and
-    both."""
-    ignore = {"ignore_modules": CONFIG["ignore_modules"]}
-    every = {**ignore, "curvature_interval": 1, "preconditioner_interval": 1}
-    curvature, preconditioner = registry_intervals(method)
-    arms = {"refresh": every}
-    if preconditioner > curvature:
-        arms["curvature"] = {**every, "preconditioner_interval": NEVER}
-    return arms
-
-
-def schedule_mean(method: str, med: dict[str, float]) -> float:
-    """The mean step of a run with the registry's schedule (see the docstring)."""
-    form = "loop" if method in IN_LOOP else "maker"
-    plain, refresh = med[f"{method} {form}"], med[f"{method} refresh"]
-    curvature = med.get(f"{method} curvature", refresh)
-    return schedule_mean_step(plain, curvature, refresh, *registry_intervals(method))
-
-
 def time_tokens(
     n_tokens: int, methods: list[str], steps: int, warmup: int, schedule: bool = False
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median CPU seconds per step of every arm at ``n_tokens``, and each method's
-    floor; with ``schedule``, the refresh arms too (:func:`refresh_arms`)."""
+) -> StepCosts:
+    """Every arm at ``n_tokens`` tokens a step, around SGD, with SGD and AdamW as
+    the references, in turns on the CPU's process time."""
     torch.manual_seed(0)
-    base = GPT(GPTConfig(n_layer=8, d_model=256, n_head=4, block_size=SEQ))
+    model = GPT(GPTConfig(n_layer=8, d_model=256, n_head=4, block_size=SEQ))
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (n_tokens // SEQ, SEQ), generator=g)
     t = torch.randint(0, 256, (n_tokens // SEQ, SEQ), generator=g)
-    arms: dict[str, Callable] = {}
-    sgd_model = copy.deepcopy(base)
-    arms["sgd"] = _base(sgd_model, torch.optim.SGD(sgd_model.parameters(), lr=LR))
-    adamw_model = copy.deepcopy(base)
-    arms["adamw"] = _base(
-        adamw_model, torch.optim.AdamW(adamw_model.parameters(), lr=LR)
+    return measure(
+        model,
+        (x, t),
+        methods,
+        base=lambda method, ps: torch.optim.SGD(ps, lr=LR),
+        references={
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=LR),
+        },
+        reference="adamw",
+        clock=Clock(torch.device("cpu"), time_fn=time.process_time),
+        steps=steps,
+        warmup=warmup,
+        schedule=schedule,
     )
-    per_token = forward_backward_macs(base, SEQ)
-    floors: dict[str, float] = {}
-    for method in methods:
-        if method in IN_LOOP:
-            arms[f"{method} loop"] = _loop(copy.deepcopy(base), method)
-        arms[f"{method} maker"], gm = _maker(copy.deepcopy(base), method)
-        floors[method] = 1.0 + application_macs(gm) / (n_tokens * per_token)
-        for kind, config in (refresh_arms(method) if schedule else {}).items():
-            model = copy.deepcopy(base)
-            if method in IN_LOOP:
-                arms[f"{method} {kind}"] = _loop(model, method, config)
-            else:
-                arms[f"{method} {kind}"] = _maker(model, method, config)[0]
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(warmup + steps):
-        for name, step in arms.items():
-            start = time.process_time()
-            step(x, t)
-            times[name].append(time.process_time() - start)
-    return {k: statistics.median(v[warmup:]) for k, v in times.items()}, floors
 
 
 def main() -> None:
@@ -183,9 +101,8 @@ def main() -> None:
     for n_tokens in (int(n) for n in args.tokens.split(",")):
         if n_tokens % SEQ:
             raise ValueError(f"--tokens {n_tokens} is not a multiple of {SEQ}")
-        med, floors = time_tokens(
-            n_tokens, methods, args.steps, args.warmup, args.schedule
-        )
+        costs = time_tokens(n_tokens, methods, args.steps, args.warmup, args.schedule)
+        med = costs.medians
         print(
             f"\nN = {n_tokens} tokens ({n_tokens // SEQ} x {SEQ}), "
             f"{args.threads} thread(s), median of {args.steps} steps"
@@ -193,9 +110,9 @@ def main() -> None:
         print(f"{'arm':16s} {'step ms':>9s} {'x sgd':>7s} {'floor':>7s} /floor")
         for name, sec in med.items():
             ratio = sec / med["sgd"]
-            method = name.split()[0]
-            if method in floors:
-                floor = floors[method]
+            method = costs.arms[name][0]
+            if method in costs.floors:
+                floor = costs.floors[method]
                 print(
                     f"{name:16s} {sec * 1e3:9.1f} {ratio:7.2f} {floor:7.3f} "
                     f"{ratio / floor:8.2f}"
@@ -205,7 +122,7 @@ def main() -> None:
         if args.schedule:
             print(f"\n{'method':10s} {'schedule (C, I)':>16s} {'mean x adamw':>13s}")
             for method in methods:
-                mean = schedule_mean(method, med) / med["adamw"]
+                mean = costs.x_reference(costs.means[method])
                 print(
                     f"{method:10s} {str(registry_intervals(method)):>16s} {mean:13.2f}"
                 )

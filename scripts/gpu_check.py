@@ -139,25 +139,45 @@ def _optimizer_md(r: dict) -> list[str]:
 
 
 def _precond_md(r: dict) -> list[str]:
+    warm, timed = r["steps"]
+    refresh_warm, refresh_timed = r["refresh_steps"]
     head = [
         f"GPT {r['parameters'] / 1e6:.1f} M, batch {r['batch'][0]} x {r['batch'][1]}; "
-        "ms per whole training step (forward, backward, step); curvature and "
-        "preconditioner every 10 steps.",
+        "leantrain.compare.precond_step's measurement (the one "
+        "benchmarks/precond_step.py --schedule prints on CPU): ms per whole training "
+        "step (forward, backward, step) in the user's loop, median of "
+        f"{timed} steps after {warm} of warm-up ({refresh_timed} after "
+        f"{refresh_warm} for the curvature and refresh arms), x {r['reference']} "
+        f"({_cell(r['reference_ms'], '.1f')} ms). A plain step only applies the "
+        "preconditioner; a curvature step also updates the statistics; a refresh "
+        "step also rebuilds the preconditioner. The schedules (C, I: curvature "
+        "every C steps, preconditioner every I) come from the registry "
+        "(leantrain.precond.PRECOND_METHODS); the mean step of a run on them is "
+        "step_cost.schedule_mean_step of the three. SOAP wraps SGD without "
+        "momentum, the others AdamW(fused).",
         "",
     ]
     rows = [
         [
-            x["loop"],
-            _cell(x["median_ms"], ".1f"),
-            _cell(x["mean_ms"], ".1f"),
-            _cell(x["max_ms"], ".1f"),
-            _cell(x["median_x_adamw"]),
+            x["method"],
+            str(tuple(x["schedule"])),
+            _cell(x["plain_x_adamw"]),
+            _cell(x["floor"], ".3f"),
+            _cell(x["curvature_ms"], ".1f"),
+            _cell(x["refresh_ms"], ".1f"),
             _cell(x["mean_x_adamw"]),
         ]  # fmt: skip
-        for x in r["rows"]
+        for x in r["methods"]
     ]
-    header = ["loop", "median", "mean", "max", "median x AdamW", "mean x AdamW"]
-    return head + _table(header, rows)
+    header = ["method", "schedule (C, I)", "plain x AdamW", "floor"]
+    header += ["curvature ms", "refresh ms", "schedule mean x AdamW"]
+    arm_rows = [
+        [x["arm"], x["kind"], _cell(x["median_ms"], ".1f"), _cell(x["x_adamw"])]
+        for x in r["arms"]
+    ]
+    arms = ["", "Every arm:", ""]
+    arms += _table(["arm", "kind", "median ms", "x AdamW"], arm_rows)
+    return head + _table(header, rows) + arms
 
 
 def _training_md(r: dict) -> list[str]:
@@ -282,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: torch sees no CUDA device")
     device = torch.device(args.device)
     size = sections.QUICK if args.quick else sections.FULL
+    if args.quick and device.type == "cpu":
+        # One intra-op thread, as the test suite runs: on a loaded machine a
+        # second OpenMP thread spins for a core others hold (a batched eigh of the
+        # preconditioners' 256 x 256 factors took 12 s instead of 15 ms).
+        torch.set_num_threads(1)
     started = time.perf_counter()
     report = {
         "environment": environment(device),

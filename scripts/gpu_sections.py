@@ -10,10 +10,16 @@ into the report.
   memory-traffic floor). This section is the check's only optimizer-step measurement:
   ``gpu_check.sh`` does not run ``benchmarks/gefen_step.py`` besides, so GPU time
   pays for it once.
-* :func:`precond_step` — whole training steps of a GPT in the user's loop:
-  ``AdamW(fused=True)`` alone and wrapped by ``precondition_in_loop`` (K-FAC with the
-  Monte-Carlo and the empirical Fisher, Shampoo; curvature and preconditioner every
-  10 steps).
+* :func:`precond_step` — whole training steps of a GPT in the user's loop, measured
+  by :func:`leantrain.compare.precond_step.measure` (what
+  ``benchmarks/precond_step.py --schedule`` prints on CPU): ``AdamW(fused=True)``
+  alone, and per method (K-FAC with the Monte-Carlo and the empirical Fisher,
+  EKFAC, Shampoo around that AdamW; SOAP around SGD without momentum) a plain step
+  (the preconditioner only applied), a refresh step (curvature and preconditioner
+  updated) and, where the registry's schedule has them, a curvature-only step; the
+  mean step of a run on the registry's schedule (``kfac`` every 20 steps, ``ekfac``
+  every 10, ``shampoo`` statistics every 10 and roots every 100, ``soap`` statistics
+  every step and bases every 10) follows from the three, as ratios to AdamW's.
 * :func:`training` — a short run of AdamW against Gefen 8-bit and 4-bit from the same
   init on the embedded text, each stopped at a step count or a time budget.
 * :func:`depth` — the layer-parallel axis's inputs measured on the device (the four
@@ -36,6 +42,8 @@ import torch
 
 from leantrain.compare.devices import device_clock
 from leantrain.compare.optimizer_step import Clock, gpt2_shapes, measure
+from leantrain.compare.precond_step import PrecondMethod
+from leantrain.compare.precond_step import measure as measure_precond_step
 from leantrain.data import TokenBatches, load_stdlib_text
 from leantrain.layer_parallel.costs.projection import (
     MGRITSetting,
@@ -46,7 +54,6 @@ from leantrain.layer_parallel.costs.simulate import CommModel
 from leantrain.layer_parallel.costs.timing import LayerSampler, OutsideSampler
 from leantrain.models import GPT, GPTConfig, lm_loss
 from leantrain.optim import Gefen
-from leantrain.precond import precondition_in_loop
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,13 @@ class Size:
     heads: int = 12
     tokens: int = 256
     precond_batch: int = 16
-    precond_steps: int = 30
+    # Reference and plain arms: warm-up (step 0 refreshes) then timed steps; the
+    # curvature and refresh arms time few steps (a Shampoo refresh is an eigh of
+    # every factor): the section stays within ~90 s on an H200 (not yet timed).
+    precond_warmup: int = 2
+    precond_steps: int = 20
+    precond_refresh_warmup: int = 1
+    precond_refresh_steps: int = 3
     train_batch: int = 32
     train_steps: int = 300
     train_budget_s: float = 40.0  # per optimizer
@@ -79,8 +92,9 @@ FULL = Size()
 QUICK = Size(
     opt_layers=2, opt_width=64, opt_vocab=512, opt_context=64, opt_steps=3,
     opt_budget_s=5.0, layers=2, width=64, heads=2, tokens=32, precond_batch=4,
-    precond_steps=4, train_batch=4, train_steps=12, train_budget_s=10.0, depth_reps=2,
-    depths=(16, 32),
+    precond_warmup=1, precond_steps=2, precond_refresh_warmup=1,
+    precond_refresh_steps=1, train_batch=4, train_steps=12, train_budget_s=10.0,
+    depth_reps=2, depths=(16, 32),
 )  # fmt: skip
 
 
@@ -121,54 +135,97 @@ def _autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-PRECOND_LOOPS = {
-    "AdamW(fused)": None,
-    "K-FAC, MC Fisher (kfac)": ("kfac", {}),
-    "K-FAC, empirical Fisher (kfac)": ("kfac", {"fisher_type": "fisher_emp"}),
-    "Shampoo (shampoo)": ("shampoo", {}),
-}
+# The section's methods in the user's loop, each around the base it expects.
+PRECOND_METHODS = (
+    PrecondMethod("kfac", "K-FAC, MC Fisher (kfac)"),
+    PrecondMethod(
+        "kfac", "K-FAC, empirical Fisher (kfac)", {"fisher_type": "fisher_emp"}
+    ),
+    PrecondMethod("ekfac", "EKFAC (ekfac)"),
+    PrecondMethod("shampoo", "Shampoo (shampoo)"),
+    PrecondMethod("soap", "SOAP (soap)"),
+)
+PRECOND_REFERENCE = "AdamW(fused)"
+PRECOND_LR = 3e-4
 
 
-def precond_step(size: Size, device: torch.device, warmup: int = 3):
-    """Per loop: median, mean and max ms of a whole training step and mean x AdamW's."""
-    clock = Clock(device)
-    base_model = _gpt(size, device)
+def _precond_base(method: str, params) -> torch.optim.Optimizer:
+    # SOAP's direction already carries Adam's moments (the registry's comment):
+    # it wraps SGD without momentum; the others wrap the user's AdamW.
+    if method == "soap":
+        return torch.optim.SGD(params, lr=PRECOND_LR)
+    return torch.optim.AdamW(params, lr=PRECOND_LR, fused=True)
+
+
+def precond_step(size: Size, device: torch.device):
+    """:func:`leantrain.compare.precond_step.measure` on the section's GPT: per arm
+    the median ms of a whole step and its ratio to AdamW(fused)'s; per method the
+    registry's schedule (C, I), the plain step, the refresh step and the mean step
+    of a run on that schedule, as ratios to AdamW's. On a GPU each method's arms are
+    built, timed and freed before the next's (``per_method``: one method's model
+    copies in memory at a time); on CPU all arms take turns (fair under load)."""
+    model = _gpt(size, device)
     g = torch.Generator(device=device).manual_seed(0)
     shape = (size.precond_batch, size.tokens)
     x = torch.randint(0, 256, shape, generator=g, device=device)
-    y = torch.randint(0, 256, shape, generator=g, device=device)
-    rows = []
-    for name, spec in PRECOND_LOOPS.items():
-        model = copy.deepcopy(base_model)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-        if spec is not None:
-            method, kwargs = spec
-            # the position table sees (T,) positions, not the batch
-            config = {"ignore_modules": ("wpe",)}
-            opt = precondition_in_loop(opt, model, method, config=config, **kwargs)
-
-        def step(model=model, opt=opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            with _autocast(device):
-                loss = lm_loss(model(x), y)
-            loss.backward()
-            opt.step()
-
-        times = [clock.time(step) for _ in range(warmup + size.precond_steps)]
-        times = times[warmup:]
-        rows.append(
+    t = torch.randint(0, 256, shape, generator=g, device=device)
+    costs = measure_precond_step(
+        model,
+        (x, t),
+        PRECOND_METHODS,
+        base=_precond_base,
+        references={
+            PRECOND_REFERENCE: lambda ps: torch.optim.AdamW(
+                ps, lr=PRECOND_LR, fused=True
+            )
+        },
+        reference=PRECOND_REFERENCE,
+        clock=Clock(device),
+        steps=size.precond_steps,
+        warmup=size.precond_warmup,
+        refresh_steps=size.precond_refresh_steps,
+        refresh_warmup=size.precond_refresh_warmup,
+        forms=("loop",),
+        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        per_method=device.type == "cuda",
+    )
+    arms = [
+        {
+            "arm": name,
+            "method": costs.arms[name][0],
+            "kind": costs.arms[name][1],
+            "median_ms": sec * 1e3,
+            "x_adamw": costs.x_reference(sec),
+        }
+        for name, sec in costs.medians.items()
+    ]
+    methods = []
+    for m in PRECOND_METHODS:
+        label = m.row
+        curvature = costs.medians.get(f"{label} curvature")
+        methods.append(
             {
-                "loop": name,
-                "median_ms": statistics.median(times) * 1e3,
-                "mean_ms": statistics.fmean(times) * 1e3,
-                "max_ms": max(times) * 1e3,
+                "method": label,
+                "registry": m.name,
+                "schedule": list(costs.intervals[label]),
+                "plain_ms": costs.medians[costs.plain[label]] * 1e3,
+                "curvature_ms": None if curvature is None else curvature * 1e3,
+                "refresh_ms": costs.medians[f"{label} refresh"] * 1e3,
+                "plain_x_adamw": costs.x_reference(costs.medians[costs.plain[label]]),
+                "mean_x_adamw": costs.x_reference(costs.means[label]),
+                "floor": costs.floors[label],
             }
         )
-        del model, opt
-    for row in rows:
-        row["mean_x_adamw"] = row["mean_ms"] / rows[0]["mean_ms"]
-        row["median_x_adamw"] = row["median_ms"] / rows[0]["median_ms"]
-    return {"parameters": base_model.num_params(), "batch": list(shape), "rows": rows}
+    return {
+        "parameters": model.num_params(),
+        "batch": list(shape),
+        "reference": PRECOND_REFERENCE,
+        "reference_ms": costs.medians[PRECOND_REFERENCE] * 1e3,
+        "steps": [size.precond_warmup, size.precond_steps],
+        "refresh_steps": [size.precond_refresh_warmup, size.precond_refresh_steps],
+        "arms": arms,
+        "methods": methods,
+    }
 
 
 TRAIN_OPTIMIZERS = {

@@ -12,6 +12,7 @@ or suite test turns into a named failure and exit status 1 instead of a crash.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +24,8 @@ import pytest
 import torch
 
 from leantrain.compare import optimizer_step
+from leantrain.precond import PRECOND_METHODS, PreconditioningConfig
+from leantrain.precond.step_cost import schedule_mean_step
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -100,10 +103,33 @@ def test_optimizer_step_rows_measure_time_and_state(quick):
 
 def test_precond_and_training_rows(quick):
     sections = quick[0]["sections"]
-    loops = sections["precond_step"]["result"]["rows"]
-    assert [r["loop"] for r in loops] == list(gpu_check.sections.PRECOND_LOOPS)
-    assert loops[0]["mean_x_adamw"] == 1.0
-    assert all(0 < r["median_ms"] <= r["max_ms"] for r in loops)
+    result = sections["precond_step"]["result"]
+    arms = {a["arm"]: a for a in result["arms"]}
+    adamw_ms = arms[result["reference"]]["median_ms"]
+    assert arms[result["reference"]]["x_adamw"] == 1.0
+    assert result["reference_ms"] == adamw_ms
+    methods = result["methods"]
+    assert [m["method"] for m in methods] == [
+        m.row for m in gpu_check.sections.PRECOND_METHODS
+    ]
+    for m in methods:
+        label, (c, i) = m["method"], m["schedule"]
+        # the schedules are the registry's, read here from the makers' own config
+        registry = PRECOND_METHODS[m["registry"]].config
+        config = dataclasses.replace(PreconditioningConfig(), **registry)
+        assert (c, i) == (config.curvature_interval, config.preconditioner_interval)
+        plain = arms[f"{label} loop"]["median_ms"]
+        refresh = arms[f"{label} refresh"]["median_ms"]
+        assert plain > 0 and refresh > 0 and m["refresh_ms"] == refresh
+        # a curvature-only arm exactly when the schedule has such steps
+        assert (f"{label} curvature" in arms) == (i > c)
+        curvature = arms[f"{label} curvature"]["median_ms"] if i > c else refresh
+        assert m["plain_x_adamw"] == pytest.approx(plain / adamw_ms)
+        expected = schedule_mean_step(plain, curvature, refresh, c, i) / adamw_ms
+        assert m["mean_x_adamw"] == pytest.approx(expected)
+        assert m["floor"] > 1
+        for arm in arms.values():
+            assert arm["x_adamw"] == pytest.approx(arm["median_ms"] / adamw_ms)
     runs = sections["training"]["result"]["runs"]
     assert list(runs) == list(gpu_check.sections.TRAIN_OPTIMIZERS)
     for name, run in runs.items():

@@ -12,6 +12,10 @@ tqdm, matplotlib and scikit-learn, are the ``compare`` extra:
   :mod:`~leantrain.compare.optimizer_step`: one optimizer step of several
   contenders timed over a model's parameter shapes, CPU or CUDA (what
   ``benchmarks/gefen_step.py`` prints and the GPU check's optimizer-step section);
+  :mod:`~leantrain.compare.precond_step`: a preconditioned step that refreshes
+  nothing, the steps that refresh, and the mean step of a run on the registry's
+  schedule (``benchmarks/precond_step.py`` and the GPU check's preconditioning
+  section);
 * :mod:`~leantrain.compare.tasks`: the seeded models and data (:data:`TASKS`);
   :mod:`~leantrain.compare.training`: the training loop (:func:`train_one`);
   :mod:`~leantrain.compare.lr`: the warm-up and cosine decay of the learning rate;
