@@ -109,13 +109,13 @@ def run(model_name: str, method: str, optimizer: str, seed: int, steps: int) -> 
     model, batches, loss_fn = _task(model_name, seed)
     opt = OPTIMIZERS[optimizer](model.parameters())
     maker = None
-    if method in IN_LOOP:
-        opt = precondition_in_loop(opt, model, method)
-    elif method != "plain":
-        maker = make_gradient_maker(method, model, lr=LR[optimizer])
     losses, start = [], time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # coverage notes; skips are counted below
+        if method in IN_LOOP:
+            opt = precondition_in_loop(opt, model, method)
+        elif method != "plain":
+            maker = make_gradient_maker(method, model, lr=LR[optimizer])
         for _ in range(steps):
             x, y = next(batches)
             if maker is None:
