@@ -11,7 +11,7 @@
 # Runs from the source tree (PYTHONPATH), installs nothing and needs no network: torch,
 # and for the HF / Lightning tests transformers and lightning, must be there already.
 # Extra arguments go to scripts/gpu_check.py (e.g. --sections depth,training);
-# GPU_CHECK_SUITE_S (default 240) caps the suite's seconds.
+# GPU_CHECK_SUITE_S (default 210) caps the suite's seconds.
 # Exit status 1 when a suite test or a section failed; the report says which and why.
 set -uo pipefail
 
@@ -32,10 +32,10 @@ suite_started=$SECONDS
 suite_args=(--suite-xml "$out/gpu_suite.xml")
 if "$python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     # -m gpu replaces the default "not slow and not gpu" selection. The suite gets
-    # GPU_CHECK_SUITE_S seconds (default 240) so the benchmarks still run inside a
+    # GPU_CHECK_SUITE_S seconds (default 210) so the benchmarks still run inside a
     # lent device's time: SIGINT stops pytest cleanly, its JUnit XML keeps the tests
     # that ran, and the report says the suite was cut (timeout exits 124).
-    timeout --signal=INT --kill-after=30 "${GPU_CHECK_SUITE_S:-240}" \
+    timeout --signal=INT --kill-after=30 "${GPU_CHECK_SUITE_S:-210}" \
         "$python" -m pytest -q -m gpu -p no:cacheprovider \
         --junitxml="$out/gpu_suite.xml" tests > "$out/gpu_suite.log" 2>&1
     suite_status=$?

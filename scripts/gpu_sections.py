@@ -82,7 +82,7 @@ class Size:
     precond_refresh_steps: int = 3
     train_batch: int = 32
     train_steps: int = 300
-    train_budget_s: float = 40.0  # per optimizer
+    train_budget_s: float = 30.0  # per optimizer
     depth_reps: int = 5
     depths: tuple[int, ...] = (16, 32, 64, 128, 256)
     ranks: tuple[int, ...] = (8,)
